@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+PY := .venv/bin/python
+MODEL := model_store/smollm2-135m-instruct
+PORT ?= 8080
+
+.PHONY: serve test venv model bench fmt lint clean
+
+serve: venv model  ## serve the embedded model on :8080 (SAGEMAKER_BIND_TO_PORT overrides)
+	$(PY) -m handler serve
+
+test:  ## the whole suite (installs and assembles what it needs)
+	bash ci/test.sh
+
+venv:
+	bash ci/install.sh
+
+model: venv  ## assemble the embedded default model (idempotent)
+	$(PY) -m handler.assemble_model $(MODEL)
+
+bench: venv model  ## throughput / latency benchmark against a naive baseline
+	$(PY) -m bench.run
+
+fmt: venv
+	$(PY) -m ruff format handler tests bench
+
+lint: venv
+	$(PY) -m ruff check handler tests bench
+
+clean:
+	rm -rf .venv $(MODEL)

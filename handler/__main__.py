@@ -1,0 +1,97 @@
+"""``python -m handler serve``: validate the settings, then run gunicorn + Flask on the SageMaker port.
+
+SageMaker starts the container with the argument ``serve``. The settings are checked here, in the master,
+before any worker starts, so a bad setting ends the start with one line naming it. Each gunicorn worker builds
+its own engine (one model per process) in a background thread; the port opens at once and /ping answers 503
+until the model is loaded and warmed.
+
+gunicorn settings from the SageMaker conventions: ``SAGEMAKER_BIND_TO_PORT`` (8080), ``SAGEMAKER_MODEL_SERVER_WORKERS``
+(1: one process already uses every core through torch, and each worker holds a copy of the model),
+``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (worker silence timeout, 120 s), ``SAGEMAKER_CONTAINER_LOG_LEVEL``.
+``SAGEMAKER_MODEL_SERVER_THREADS`` (128) is how many requests one worker holds open at once; they all share the
+engine's batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from handler.config import Settings, load_settings
+from handler.errors import ConfigError
+
+_LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical"}
+
+
+def gunicorn_options(environ: dict[str, str], host: str) -> dict:
+    workers = int(environ.get("SAGEMAKER_MODEL_SERVER_WORKERS", "1"))
+    level = environ.get("SAGEMAKER_CONTAINER_LOG_LEVEL", "info").lower()
+    return {
+        "bind": f"{host}:{environ.get('SAGEMAKER_BIND_TO_PORT', '8080')}",
+        "workers": workers,
+        "worker_class": "gthread",
+        "threads": int(environ.get("SAGEMAKER_MODEL_SERVER_THREADS", "128")),
+        "timeout": int(environ.get("SAGEMAKER_MODEL_SERVER_TIMEOUT", "120")),
+        "graceful_timeout": int(environ.get("SERVER_GRACEFUL_TIMEOUT", "25")),  # SageMaker kills 30 s after SIGTERM
+        "keepalive": 75,
+        "loglevel": _LOG_LEVELS.get(level, level),
+        "accesslog": None,
+        "errorlog": "-",
+        "backlog": 2048,
+    }
+
+
+def run_server(settings: Settings, options: dict) -> None:
+    from gunicorn.app.base import BaseApplication
+
+    class Application(BaseApplication):
+        def load_config(self) -> None:
+            for key, value in options.items():
+                self.cfg.set(key, value)
+
+        def load(self):
+            return build_worker_app(settings, max(1, (os.cpu_count() or 1) // options["workers"]))
+
+    Application().run()
+
+
+def build_worker_app(settings: Settings, num_threads: int):
+    """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
+    from handler.server import create_app
+    from handler.service import ModelService
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = ModelService(settings, num_threads=num_threads)
+    draining = threading.Event()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):  # /ping turns 503 while gunicorn finishes the requests in flight
+        draining.set()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    service.start()
+    return create_app(service, draining.is_set)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m handler")
+    parser.add_argument("command", choices=["serve"], help="SageMaker starts containers with 'serve'")
+    parser.add_argument("--host", default=os.environ.get("SERVER_HOST", "0.0.0.0"))
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    run_server(settings, gunicorn_options(dict(os.environ), args.host))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Settings: ``serving.properties`` plus environment overrides, validated once into one frozen object.
+
+Precedence, highest first (LMI's rules, so LMI users can move over):
+- ``HF_MODEL_ID`` for ``option.model_id``; ``OPTION_FOO_BAR=x`` for ``option.foo_bar`` (the part after ``OPTION_``
+  is lower-cased only when it is all upper case, so ``OPTION_entryPoint`` keeps its case; ``_`` never becomes ``.``);
+- TGI's names (``MAX_BATCH_SIZE``, ``MAX_TOTAL_TOKENS``) when ours are unset;
+- the properties file: ``$SERVING_PROPERTIES``, else ``serving.properties`` in the model directory, else the one
+  shipped at the repository root.
+The model: ``option.model_id`` when set (a local folder; hub ids are refused: no network at run time), else the
+SageMaker model directory ``/opt/ml/model`` when it holds a model, else the embedded default in ``model_store/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from handler.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "model_store" / "smollm2-135m-instruct"
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+TGI_ALIASES = {"MAX_BATCH_SIZE": "max_rolling_batch_size", "MAX_TOTAL_TOKENS": "max_model_len"}
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                 "fp16": "float16", "float16": "float16", "auto": "auto"}
+
+
+class Settings(BaseModel):
+    """Every setting the server reads. Field names are the ``option.*`` keys without the prefix."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: Literal["Python"] = "Python"
+    model_id: str | None = None
+    dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
+    quantize: Literal["auto", "none", "dynamic_int8"] = "auto"  # auto: dynamic_int8 on CPU, none on CUDA
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
+    max_rolling_batch_size: int = Field(32, ge=1, le=1024)
+    max_num_batched_tokens: int = Field(512, ge=16)
+    output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
+    default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_ALIASES:
+            raise ValueError(f"must be one of {sorted(DTYPE_ALIASES)}")
+        return DTYPE_ALIASES[value]
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model_id) if self.model_id else DEFAULT_MODEL_DIR
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """``key=value`` lines; ``#`` and ``!`` start comments (java.util.Properties, without line continuations)."""
+    values = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line[0] in "#!":
+            continue
+        match = re.fullmatch(r"([^=:\s]+)\s*[=:]\s*(.*)", line)
+        if not match:
+            raise ConfigError(f"serving.properties line {number}: expected key=value, got {raw!r}")
+        values[match.group(1)] = match.group(2)
+    return values
+
+
+def _setting_name(key: str) -> str:
+    """``option.max_model_len`` -> ``max_model_len``; ``engine`` -> ``engine``."""
+    return key[len("option."):] if key.startswith("option.") else key
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    values = {}
+    for name, alias in TGI_ALIASES.items():
+        if name in environ:
+            values[alias] = environ[name]
+    for name, value in environ.items():
+        if name.startswith("OPTION_") and len(name) > len("OPTION_"):
+            rest = name[len("OPTION_"):]
+            values[rest.lower() if rest.isupper() else rest] = value
+    if "HF_MODEL_ID" in environ:
+        values["model_id"] = environ["HF_MODEL_ID"]
+    return values
+
+
+def properties_path(environ: Mapping[str, str], model_root: Path) -> Path | None:
+    for candidate in (environ.get("SERVING_PROPERTIES"), model_root / "serving.properties",
+                      REPO_ROOT / "serving.properties"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings; raise ``ConfigError`` with one line naming the key and the reason."""
+    environ = os.environ if environ is None else environ
+    model_root = Path(environ.get("SAGEMAKER_MODEL_DIR", SAGEMAKER_MODEL_DIR))
+    path = properties_path(environ, model_root)
+    raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
+    raw.update(env_overrides(environ))
+    if not raw.get("model_id") and (model_root / "config.json").is_file():
+        raw["model_id"] = str(model_root)
+    try:
+        settings = Settings(**raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "?"
+        reason = "unknown setting" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ConfigError(f"invalid setting option.{key}={raw.get(key, '')!r}: {reason}") from None
+    check_model_dir(settings)
+    return settings
+
+
+def check_model_dir(settings: Settings) -> None:
+    model_id, folder = settings.model_id, settings.model_dir
+    if model_id and not folder.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", model_id) or "://" in model_id:
+            raise ConfigError(f"option.model_id={model_id!r} is not a local folder; this container does not "
+                              "download models at run time: put the model in /opt/ml/model or point "
+                              "option.model_id (or HF_MODEL_ID) at a folder")
+        raise ConfigError(f"option.model_id={model_id!r}: no such folder")
+    if not (folder / "config.json").is_file():
+        hint = " (run `make model` to assemble the embedded default)" if folder == DEFAULT_MODEL_DIR else ""
+        raise ConfigError(f"option.model_id: {folder} holds no model (config.json is missing){hint}")

@@ -1,0 +1,53 @@
+"""Load a model folder into what the engine thread runs: the lean model, its runner, and the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from handler.engine.engine import LoadedModel
+from handler.engine.model import DecoderModel
+from handler.engine.runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    model_dir: Path
+    dtype: str                 # a key of DTYPES
+    quantize: bool             # int8 dynamic quantisation of the Linear layers (CPU)
+    device: str                # "cpu" or "cuda"
+    max_running: int
+    max_model_len: int
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's own tokenizer (and chat template), from the folder only: no hub access."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) and the tokenizer."""
+    ids = set()
+    config_path = model_dir / "generation_config.json"
+    if config_path.is_file():
+        value = json.loads(config_path.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load(options: LoadOptions, tokenizer) -> LoadedModel:
+    device = torch.device(options.device)
+    model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], quantize=options.quantize, device=device)
+    runner = ModelRunner(model, options.max_running, options.max_model_len)
+    return LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
+                       eos_token_ids=eos_token_ids(options.model_dir, tokenizer),
+                       special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size)

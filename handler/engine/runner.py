@@ -1,0 +1,70 @@
+"""Turns a ``StepPlan`` into tensors, runs the model once, and hands back the logits rows that need sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from handler.engine.model import DecoderModel, build_layout
+from handler.engine.scheduler import SlotMove, StepPlan
+from handler.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """``logits[i]`` belongs to ``sequences[i]``: decoding sequences, then sequences whose prompt just completed."""
+
+    sequences: list[Sequence]
+    logits: torch.Tensor  # [len(sequences), vocab] fp32
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, max_slots: int, max_len: int) -> None:
+        self.model = model
+        self.cache = model.new_cache(max_slots, max_len)
+        self.groups = model.shape.num_heads // model.shape.num_kv_heads
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        tokens = [s.next_token for s in plan.decode]
+        positions = [s.num_cached for s in plan.decode]
+        chunks, logit_rows, sequences = [], [], []
+        for row, sequence in enumerate(plan.decode):
+            if not sequence.is_prefilling:
+                logit_rows.append(row)
+                sequences.append(sequence)
+        row = len(tokens)
+        for sequence, start, length in plan.prefill:
+            tokens.extend(sequence.prompt_ids[start:start + length])
+            positions.extend(range(start, start + length))
+            chunks.append((sequence.slot, start, length))
+            row += length
+            if start + length == sequence.num_prompt_tokens:
+                logit_rows.append(row - 1)
+                sequences.append(sequence)
+        self.cache.ensure(len(plan.decode), max(p + 1 for p in positions))
+        device = self.model.device
+        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device)
+        logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                    layout, self.cache, torch.tensor(logit_rows, device=device))
+        self._advance(plan)
+        return StepOutput(sequences, logits.cpu())
+
+    @staticmethod
+    def _advance(plan: StepPlan) -> None:
+        for sequence in plan.decode:
+            if not sequence.is_prefilling:
+                sequence.num_cached += 1
+        for sequence, _start, length in plan.prefill:
+            sequence.num_cached += length
+
+    def move(self, move: SlotMove) -> None:
+        self.cache.move(move.src, move.dst, move.length)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Give a forked choice its own copy of the prompt's cache."""
+        self.cache.ensure(dst + 1, length)
+        self.cache.move(src, dst, length)
+
+    def release(self) -> None:
+        self.cache.release()

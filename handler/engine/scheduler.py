@@ -1,0 +1,97 @@
+"""Which sequences run in the next step, and which cache slot each one holds.
+
+Every step decodes one token for every running sequence, and spends what is left of the per-step token budget
+on prompt prefill: first for sequences whose long prompt is part-way through (chunked prefill), then for new
+requests, oldest first, while slots are free. Running sequences hold slots ``0..n-1`` with no holes: when one
+leaves, the last slot's sequence moves into its place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from handler.engine.sequence import RequestState, Sequence
+
+# A step always leaves at least this many prompt tokens for waiting requests, so a full decode batch cannot
+# starve them.
+_MIN_PREFILL_TOKENS = 32
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step: a decode row for every slot (in slot order), then prefill chunks ``(sequence, start, length)``."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int, int]]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+@dataclass(slots=True, frozen=True)
+class SlotMove:
+    src: int
+    dst: int
+    length: int
+
+
+class Scheduler:
+    def __init__(self, max_running: int, max_step_tokens: int) -> None:
+        self.max_running = max_running
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[RequestState] = deque()
+        self.slots: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    @property
+    def num_reserved(self) -> int:
+        """Slots held now plus those the prefilling requests will fork into."""
+        return sum(s.request.request.n if s.is_prefilling else 1 for s in self.slots)
+
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def schedule(self) -> StepPlan:
+        budget = max(self.max_step_tokens - len(self.slots), _MIN_PREFILL_TOKENS)
+        prefill = []
+        for sequence in self.slots:
+            if sequence.is_prefilling and budget > 0:
+                length = min(sequence.num_prompt_tokens - sequence.num_cached, budget)
+                prefill.append((sequence, sequence.num_cached, length))
+                budget -= length
+        while self.waiting and budget > 0 and self.num_reserved + self.waiting[0].request.n <= self.max_running:
+            sequence = self._admit(self.waiting.popleft())
+            length = min(sequence.num_prompt_tokens, budget)
+            prefill.append((sequence, 0, length))
+            budget -= length
+        return StepPlan(decode=list(self.slots), prefill=prefill)
+
+    def _admit(self, state: RequestState) -> Sequence:
+        sequence = state.new_sequence(0)
+        self.place(sequence)
+        return sequence
+
+    def place(self, sequence: Sequence) -> None:
+        sequence.slot = len(self.slots)
+        self.slots.append(sequence)
+
+    def remove(self, sequence: Sequence) -> SlotMove | None:
+        """Free a finished sequence's slot; returns the cache copy that keeps the slots contiguous."""
+        hole, last = sequence.slot, self.slots.pop()
+        sequence.slot = -1
+        if last is sequence:
+            return None
+        self.slots[hole] = last
+        last.slot = hole
+        return SlotMove(src=len(self.slots), dst=hole, length=last.num_cached)
+
+    def take_cancelled_waiting(self) -> list[RequestState]:
+        cancelled = [s for s in self.waiting if s.cancelled.is_set()]
+        if cancelled:
+            self.waiting = deque(s for s in self.waiting if not s.cancelled.is_set())
+        return cancelled

@@ -1,0 +1,97 @@
+"""Everything that crosses the engine boundary.
+
+Parsers build a ``GenerationRequest``; the engine answers with a stream of ``TokenEvent``s; formatters fold or
+frame those events. Nothing here knows about HTTP or a wire schema, and nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a choice ended. Each schema's formatter picks its own wire string."""
+
+    EOS = "eos"              # the model emitted an end-of-sequence token
+    STOP = "stop"            # a stop string or stop token id matched
+    LENGTH = "length"        # max_new_tokens or the context limit
+    ABORT = "abort"          # the client went away or the server is shutting down
+    ERROR = "error"          # this request failed; the message is on the event
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0     # HF-style: divides positive logits of tokens seen in prompt or output
+    frequency_penalty: float = 0.0      # OpenAI-style: minus penalty * count in the output
+    presence_penalty: float = 0.0       # OpenAI-style: minus penalty once a token is in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def needs_truncation(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """When a choice ends, besides the model's own end-of-sequence token."""
+
+    max_new_tokens: int | None = None   # None: up to the context limit
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to complete, ``n`` times, with everything the engine needs to do it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopConditions = field(default_factory=StopConditions)
+    n: int = 1
+    num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One step of one choice: a token and the text it released, or the choice's end.
+
+    ``text`` is the text this event makes final; it can be empty while a possible stop string or an unfinished
+    UTF-8 character is held back, and the held text arrives with a later event. Joined in order, the ``text`` of a
+    choice's events is exactly its completion. The last event of a choice has ``finish_reason`` set; it may carry
+    a token too (the token that ended it) or none (``token_id is None``).
+    """
+
+    index: int                          # which choice (0..n-1)
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+    is_special: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0          # set on final events, for usage
+    num_generated_tokens: int = 0       # set on final events: tokens this choice generated

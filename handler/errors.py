@@ -1,0 +1,71 @@
+"""Errors that are part of the API.
+
+Every failure a client can see is a ``ServingError``: it carries the HTTP status, the OpenAI-style error type,
+and the request field it concerns. The server turns it into the chat shape
+``{"error": {"message", "type", "param", "code"}}`` or the legacy shape; nothing else reaches the wire.
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """A failure with a status code, an error type and (when a field is at fault) the field's name."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        """The OpenAI error object (without the outer ``{"error": ...}``)."""
+        return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+
+
+class BadRequest(ServingError):
+    """400: the request is malformed or a field is out of range."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unprocessable(ServingError):
+    """422: a well-formed request the model cannot serve (Azure ML's convention)."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(ServingError):
+    """413: the body is over the size SageMaker allows."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class Overloaded(ServingError):
+    """429: the wait queue is full; the client should retry later."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class NotReady(ServingError):
+    """503: the model is still loading, or the server is shutting down."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class EngineError(ServingError):
+    """500: the model failed while serving a request."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+class ConfigError(Exception):
+    """A setting is unknown, invalid, or names a model that cannot be loaded. Raised at start only."""

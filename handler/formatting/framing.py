@@ -1,0 +1,32 @@
+"""Framings: how a sequence of JSON records goes on the wire.
+
+JSON lines (LMI's default on /invocations): one self-contained object per line, each ending in ``\\n``, so a
+client that receives SageMaker PayloadParts cut anywhere can buffer and split on newlines.
+Server-sent events (what the OpenAI SDK reads): ``data: {...}\\n\\n`` frames, ending with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+
+JSONLINES_MIMETYPE = "application/jsonlines"
+SSE_MIMETYPE = "text/event-stream"
+
+
+def dumps(record: object) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+def jsonlines(records: Iterable[dict]) -> Iterator[bytes]:
+    for record in records:
+        yield (dumps(record) + "\n").encode("utf-8")
+
+
+def sse(records: Iterable[dict]) -> Iterator[bytes]:
+    for record in records:
+        yield f"data: {dumps(record)}\n\n".encode("utf-8")
+    yield b"data: [DONE]\n\n"
+
+
+FRAMINGS = {"jsonlines": (jsonlines, JSONLINES_MIMETYPE), "sse": (sse, SSE_MIMETYPE)}

@@ -1,0 +1,75 @@
+"""Token events -> the legacy schema (LMI / TGI): ``generated_text`` objects, or one JSON line per token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from handler.engine.types import FinishReason, TokenEvent
+from handler.formatting.context import ChoiceResult, FormatContext, fold
+
+FINISH_REASONS = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "length",
+                  FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
+
+
+def _token(event: TokenEvent, text: str) -> dict:
+    return {"id": event.token_id, "text": text, "log_prob": event.logprob, "special": event.is_special}
+
+
+def _top_tokens(event: TokenEvent, ctx: FormatContext) -> list[dict]:
+    return [{"id": t.token_id, "text": ctx.token_text(t.token_id), "log_prob": t.logprob,
+             "special": False} for t in event.top_logprobs]
+
+
+def _details(choice: ChoiceResult, prompt: str, ctx: FormatContext) -> dict:
+    tokens = choice.token_events
+    details = {
+        "finish_reason": FINISH_REASONS[choice.finish.finish_reason],
+        "generated_tokens": choice.finish.num_generated_tokens,
+        "inputs": prompt,
+        "tokens": [_token(e, ctx.token_text(e.token_id)) for e in tokens],
+    }
+    if ctx.want_top_tokens:
+        details["top_tokens"] = [_top_tokens(e, ctx) for e in tokens]
+    return details
+
+
+def generated(events: Iterable[TokenEvent], prompt: str, ctx: FormatContext) -> dict:
+    """One prompt's ``{"generated_text": ..., "details"?: ...}``."""
+    choice = fold(events, 1)[0]
+    record = {"generated_text": (prompt if ctx.return_full_text else "") + choice.text}
+    if ctx.want_logprobs:
+        record["details"] = _details(choice, prompt, ctx)
+    return record
+
+
+def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: FormatContext) -> Iterator[dict]:
+    """One record per token; the last also carries ``generated_text`` (and ``details`` when asked)."""
+    text = prompt if ctx.return_full_text else ""
+    for event in events:
+        text += event.text
+        line = {"token": _token(event, event.text), "generated_text": None, "details": None}
+        if ctx.want_top_tokens and event.token_id is not None:
+            line["top_tokens"] = _top_tokens(event, ctx)
+        if event.finish_reason is None:
+            yield line
+            continue
+        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            yield _error_line(event)
+            return
+        line["generated_text"] = text
+        if ctx.want_logprobs:
+            line["details"] = {"finish_reason": FINISH_REASONS[event.finish_reason],
+                               "generated_tokens": event.num_generated_tokens}
+        yield line
+
+
+def _error_line(event: TokenEvent) -> dict:
+    message = event.error or "the request was cancelled because the server is stopping"
+    return {"token": {"id": -1, "text": "", "log_prob": None, "special": True}, "generated_text": None,
+            "details": {"finish_reason": "error", "generated_tokens": event.num_generated_tokens},
+            "error": message}
+
+
+def error_line(message: str) -> dict:
+    """A failure outside the engine (after the stream started), in the same shape."""
+    return _error_line(TokenEvent(index=0, token_id=None, text="", finish_reason=FinishReason.ERROR, error=message))

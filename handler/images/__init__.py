@@ -1,0 +1,6 @@
+"""Images in chat requests: fetch URLs safely (``fetch``) and decode references to RGB (``decode``)."""
+
+from handler.images.decode import DecodeLimits, decode_image_bytes, load_image
+from handler.images.fetch import FetchPolicy, fetch_image_bytes
+
+__all__ = ["DecodeLimits", "FetchPolicy", "decode_image_bytes", "fetch_image_bytes", "load_image"]

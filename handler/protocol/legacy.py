@@ -1,0 +1,88 @@
+"""The legacy schema (LMI / TGI style): ``{"inputs": str | [str], "parameters": {...}, "stream": bool}``.
+
+One or many prompts are normalised here into a list of ``GenerationRequest``s, one per prompt.
+Sampling: ``do_sample`` false with no temperature/top_p/top_k means greedy (HF ``generate``'s default); any of
+those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless given.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
+from handler.errors import BadRequest
+from handler.protocol.common import new_request_id, stop_list
+from handler.tokenization import PromptRenderer
+
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class LegacyParameters(BaseModel):
+    model_config = _STRICT
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    do_sample: bool = False
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = None
+    stop_sequences: list[str] | None = None
+    seed: int | None = None
+    return_full_text: bool = False
+    details: bool = False
+    top_n_tokens: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        sampled = self.do_sample or self.temperature not in (None, 0.0) or self.top_p is not None or (
+            self.top_k not in (None, -1, 0))
+        temperature = (1.0 if self.temperature is None else self.temperature) if sampled else 0.0
+        return SamplingParams(
+            temperature=temperature,
+            top_p=self.top_p or 1.0,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+        )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        strings = stop_list(self.stop) + tuple(self.stop_sequences or ())
+        if any(s == "" for s in strings):
+            raise BadRequest("stop sequences must not be empty", param="parameters.stop")
+        return strings
+
+
+class LegacyRequest(BaseModel):
+    model_config = _STRICT
+
+    inputs: str | list[str]
+    parameters: LegacyParameters = Field(default_factory=LegacyParameters)
+    stream: bool = False
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.inputs, list)
+
+    def to_generation_requests(self, renderer: PromptRenderer, default_max_new_tokens: int) -> list[GenerationRequest]:
+        if not self.prompts:
+            raise BadRequest("inputs is an empty list", param="inputs")
+        if self.stream and self.is_batch:
+            raise BadRequest("streaming takes one input; send a string, not a list", param="inputs")
+        p = self.parameters
+        stop = StopConditions(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
+                              stop_strings=p.stop_strings(), ignore_eos=p.ignore_eos)
+        sampling = p.sampling_params()
+        return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(renderer.encode(prompt, add_special_tokens=True)),
+                                  sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0)
+                for prompt in self.prompts]

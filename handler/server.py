@@ -1,0 +1,208 @@
+"""HTTP routes. Each one parses, converts, submits and formats; the schema and framing pick the functions.
+
+``/invocations`` sniffs the body: ``messages`` means chat completions (it wins when ``inputs`` is there too),
+else ``inputs`` means the legacy schema, else 400 naming both fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from handler.engine.sequence import RequestHandle
+from handler.errors import BadRequest, EngineError, NotReady, PayloadTooLarge, ServingError
+from handler.formatting import chat as chat_format
+from handler.formatting import legacy as legacy_format
+from handler.formatting.context import FormatContext
+from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
+from handler.protocol.chat import ChatCompletionRequest
+from handler.protocol.common import parse_model
+from handler.protocol.legacy import LegacyRequest
+from handler.service import ModelService
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit
+
+
+def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False) -> Flask:
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    routes = Routes(service, is_draining)
+
+    app.add_url_rule("/ping", view_func=routes.ping, methods=["GET"])
+    app.add_url_rule("/invocations", view_func=routes.invocations, methods=["POST"])
+    app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
+    app.register_error_handler(ServingError, routes.serving_error)
+    app.register_error_handler(HTTPException, routes.http_error)
+    app.register_error_handler(Exception, routes.unexpected_error)
+    app.after_request(routes.add_request_id)
+    return app
+
+
+class Routes:
+    def __init__(self, service: ModelService, is_draining: Callable[[], bool]) -> None:
+        self.service = service
+        self.is_draining = is_draining
+        self.handlers = {"chat": self._chat, "legacy": self._legacy}
+
+    # ---- routes -------------------------------------------------------------------------------------------
+    def ping(self) -> Response:
+        if self.service.engine.is_ready and not self.is_draining():
+            return Response(status=200)
+        reason = "stopping" if self.is_draining() else (self.service.engine.load_error or "loading")
+        return json_response({"status": reason}, 503)
+
+    def invocations(self) -> Response:
+        body = read_json()
+        schema = sniff_schema(body)
+        g.schema = schema
+        sse = "text/event-stream" in request.headers.get("Accept", "")
+        framing = "sse" if sse else self.service.settings.output_formatter
+        return self.handlers[schema](body, framing)
+
+    def chat_completions(self) -> Response:
+        g.schema = "chat"
+        return self._chat(read_json(), "sse")
+
+    # ---- schemas ------------------------------------------------------------------------------------------
+    def _chat(self, body: dict, framing: str) -> Response:
+        parsed = parse_model(ChatCompletionRequest, body)
+        generation = parsed.to_generation_request(self._renderer(), self.service.default_temperature)
+        handle = self._submit(generation)
+        ctx = self._context(generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
+                            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+        if not parsed.stream:
+            try:
+                return json_response(chat_format.chat_completion(handle, generation.n, ctx))
+            finally:
+                handle.cancel()  # when one choice failed, the others stop too
+        records = chat_format.chat_chunks(handle, generation.n, ctx)
+        return stream_response(records, framing, [handle],
+                               lambda e: chat_format.error_record(e))
+
+    def _legacy(self, body: dict, framing: str) -> Response:
+        parsed = parse_model(LegacyRequest, body)
+        generations = parsed.to_generation_requests(self._renderer(), self.service.settings.default_max_new_tokens)
+        handles = self._submit_all(generations)
+        p = parsed.parameters
+        ctx = self._context(generations[0].request_id, None, want_logprobs=p.details,
+                            return_full_text=p.return_full_text, want_top_tokens=bool(p.top_n_tokens))
+        if parsed.stream:
+            records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
+            return stream_response(records, framing, handles, lambda e: legacy_format.error_line(e.message))
+        results = [legacy_format.generated(h, prompt, ctx) for h, prompt in zip(handles, parsed.prompts)]
+        return json_response(results if parsed.is_batch else results[0])
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _renderer(self):
+        if self.is_draining():
+            raise NotReady("the server is stopping")
+        if self.service.renderer is None or not self.service.engine.is_ready:
+            raise NotReady("the model is still loading")
+        return self.service.renderer
+
+    def _submit(self, generation) -> RequestHandle:
+        handle = self.service.engine.submit(generation)
+        g.request_id = generation.request_id
+        return handle
+
+    def _submit_all(self, generations) -> list[RequestHandle]:
+        handles: list[RequestHandle] = []
+        try:
+            for generation in generations:
+                handles.append(self._submit(generation))
+        except ServingError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    def _context(self, request_id: str, model: str | None, **options) -> FormatContext:
+        renderer = self.service.renderer
+        return FormatContext(request_id=request_id, model=model or self.service.model_name, created=int(time.time()),
+                             token_text=renderer.token_text, token_bytes=renderer.token_bytes, **options)
+
+    # ---- errors -------------------------------------------------------------------------------------------
+    def serving_error(self, error: ServingError) -> Response:
+        if error.status_code >= 500:
+            log.warning("request failed: %s", error.message)
+        if g.get("schema") == "legacy":
+            payload = {"error": error.message, "error_type": error.error_type, "param": error.param,
+                       "code": error.status_code}
+        else:
+            payload = chat_format.error_record(error)
+        return json_response(payload, error.status_code)
+
+    def http_error(self, error: HTTPException) -> Response:
+        if isinstance(error, RequestEntityTooLarge):
+            return self.serving_error(PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes"))
+        wrapped = ServingError(error.description or error.name)
+        wrapped.status_code, wrapped.error_type = error.code or 500, "invalid_request_error"
+        return self.serving_error(wrapped)
+
+    def unexpected_error(self, error: Exception) -> Response:
+        log.exception("unexpected error")
+        return self.serving_error(EngineError(f"internal error ({type(error).__name__}); see the server log"))
+
+    @staticmethod
+    def add_request_id(response: Response) -> Response:
+        if g.get("request_id"):
+            response.headers["X-Request-Id"] = g.request_id
+        return response
+
+
+def read_json() -> dict:
+    if request.content_length and request.content_length > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
+    raw = request.get_data(cache=False)
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise BadRequest(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def sniff_schema(body: dict) -> str:
+    if "messages" in body:
+        return "chat"
+    if "inputs" in body:
+        return "legacy"
+    raise BadRequest("the body has neither 'messages' (chat completions) nor 'inputs' (legacy schema)",
+                     param="messages")
+
+
+def json_response(payload: object, status: int = 200) -> Response:
+    return Response(dumps(payload), status=status, mimetype="application/json")
+
+
+def stream_response(records: Iterable[dict], framing: str, handles: list[RequestHandle],
+                    error_record: Callable[[ServingError], dict]) -> Response:
+    """Stream records in the chosen framing; a failure after the first byte becomes a final error record."""
+    frame, mimetype = FRAMINGS[framing]
+
+    def guarded() -> Iterator[dict]:
+        try:
+            yield from records
+        except ServingError as error:
+            yield error_record(error)
+        except Exception as error:  # the status is already 200: say it in the stream instead
+            log.exception("stream failed")
+            yield error_record(EngineError(f"internal error ({type(error).__name__}); see the server log"))
+        finally:
+            for handle in handles:  # a client that went away frees its batch slots
+                handle.cancel()
+
+    headers = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"} if mimetype == SSE_MIMETYPE else {}
+    return Response(frame(guarded()), mimetype=mimetype, headers=headers)

@@ -1,0 +1,87 @@
+"""Wires settings to a running engine: resolves device, dtype and limits, loads the model in the background."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from handler.config import Settings
+from handler.engine.engine import Engine, EngineLimits, LoadedModel
+from handler.errors import ConfigError
+from handler.tokenization import PromptRenderer
+
+log = logging.getLogger(__name__)
+
+# Without a setting, the context is the model's own, capped so one sequence's KV cache stays modest.
+_DEFAULT_CONTEXT_CAP = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    device: str
+    dtype: str
+    quantize: bool
+
+
+def resolve(settings: Settings, cuda_available: bool) -> Resolved:
+    device = settings.device if settings.device != "auto" else ("cuda" if cuda_available else "cpu")
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("option.device='cuda': no CUDA device is visible")
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    quantize = settings.quantize == "dynamic_int8" or (
+        settings.quantize == "auto" and device == "cpu" and dtype == "float32")
+    if quantize and (device != "cpu" or dtype != "float32"):
+        raise ConfigError("option.quantize='dynamic_int8' needs option.device=cpu and option.dtype=float32")
+    return Resolved(device, dtype, quantize)
+
+
+def engine_limits(settings: Settings) -> EngineLimits:
+    config = json.loads((settings.model_dir / "config.json").read_text())
+    model_max = config.get("max_position_embeddings") or _DEFAULT_CONTEXT_CAP
+    max_len = settings.max_model_len or min(model_max, _DEFAULT_CONTEXT_CAP)
+    if max_len > model_max:
+        raise ConfigError(f"option.max_model_len={max_len} is more than the model's max_position_embeddings "
+                          f"({model_max})")
+    return EngineLimits(max_running=settings.max_rolling_batch_size, max_model_len=max_len,
+                        max_step_tokens=max(settings.max_num_batched_tokens, settings.max_rolling_batch_size + 1))
+
+
+def default_temperature(settings: Settings) -> float:
+    """The model's sampling temperature from generation_config.json when it samples by default, else 0 (greedy)."""
+    path = settings.model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return float(config.get("temperature", 1.0)) if config.get("do_sample") else 0.0
+
+
+class ModelService:
+    """The engine, and the prompt renderer the protocol layer uses; both ready once the model has loaded."""
+
+    def __init__(self, settings: Settings, num_threads: int | None = None) -> None:
+        self.settings = settings
+        self.model_name = settings.model_dir.name
+        self.renderer: PromptRenderer | None = None
+        self.engine = Engine(self._load, engine_limits(settings))
+        self._num_threads = num_threads
+        self.default_temperature = default_temperature(settings)
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def _load(self) -> LoadedModel:
+        import torch
+
+        from handler.engine.loader import LoadOptions, load, load_tokenizer
+
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        resolved = resolve(self.settings, torch.cuda.is_available())
+        tokenizer = load_tokenizer(self.settings.model_dir)
+        options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
+                              self.engine.limits.max_running, self.engine.limits.max_model_len)
+        loaded = load(options, tokenizer)
+        self.renderer = PromptRenderer(tokenizer)
+        log.info("loaded %s on %s (%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
+                 ", int8 dynamic" if resolved.quantize else "", os.getpid())
+        return loaded
