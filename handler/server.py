@@ -62,6 +62,8 @@ class Routes:
         body = read_json()
         schema = sniff_schema(body)
         g.schema = schema
+        if schema == "chat":
+            body.pop("inputs", None)  # documented: messages wins when a body carries both
         sse = "text/event-stream" in request.headers.get("Accept", "")
         framing = "sse" if sse else self.service.settings.output_formatter
         return self.handlers[schema](body, framing)

@@ -1,0 +1,88 @@
+"""The real server: ``python -m handler serve`` (gunicorn + Flask, embedded model) on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_for_ping(url: str, process: subprocess.Popen, log_path: Path, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server did not become ready in {timeout} s:\n{log_path.read_text()[-3000:]}")
+
+
+def start_server(tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    environ = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1",
+               "SAGEMAKER_MODEL_DIR": str(tmp_path / "no-sagemaker-model"), **(env or {})}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "handler", "serve"], cwd=REPO_ROOT, env=environ,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        wait_for_ping(server.url, process, log_path)
+    except Exception:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: RunningServer, timeout: float = 40) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        return server.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        return server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tmp_path_factory.mktemp("server"))
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def url(server: RunningServer) -> str:
+    return server.url
