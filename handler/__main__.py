@@ -15,6 +15,7 @@ engine's batch.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -59,12 +60,29 @@ def run_server(settings: Settings, options: dict) -> None:
     Application().run()
 
 
+def keep_freed_memory() -> None:
+    """Stop glibc from handing large freed blocks back to the OS (and mmapping fresh ones per allocation).
+
+    Every engine step allocates the same few MB of activations and logits. With glibc's defaults each large block
+    is a fresh mmap, page-faulted in and unmapped again; on a VM whose memory is backed lazily that made steps take
+    seconds instead of milliseconds (measured here). Keeping the blocks in the heap makes them reusable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def build_worker_app(settings: Settings, num_threads: int):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
     from handler.server import create_app
     from handler.service import ModelService
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     service = ModelService(settings, num_threads=num_threads)
     draining = threading.Event()
     previous = signal.getsignal(signal.SIGTERM)

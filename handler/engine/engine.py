@@ -116,9 +116,13 @@ class Engine:
                 self.step()
 
     def _warm_up(self) -> None:
-        """Run one small generation (two choices: prefill, fork, decode) so the first request pays no first-call costs."""
-        request = GenerationRequest("warm-up", prompt_ids=tuple(range(1, 17)), n=2,
-                                    stop=StopConditions(max_new_tokens=4, ignore_eos=True))
+        """One generation shaped like the largest step: a full prefill chunk, then every slot decoding.
+
+        The first request then pays no first-call costs, and the allocator already holds the largest working set.
+        """
+        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 256)
+        request = GenerationRequest("warm-up", prompt_ids=tuple(range(1, prompt_length + 1)),
+                                    n=self.limits.max_running, stop=StopConditions(max_new_tokens=2, ignore_eos=True))
         self._scheduler.add(RequestState(request, self._new_sequence))
         while self._scheduler.has_work:
             self.step()

@@ -10,6 +10,7 @@ import torch
 
 from handler.engine.engine import LoadedModel
 from handler.engine.model import DecoderModel
+from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +47,10 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 def load(options: LoadOptions, tokenizer) -> LoadedModel:
     device = torch.device(options.device)
-    model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], quantize=options.quantize, device=device)
+    model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], device=device)
+    if options.quantize:
+        stats = calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+        smooth_and_quantize(model, stats)
     runner = ModelRunner(model, options.max_running, options.max_model_len)
     return LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
                        eos_token_ids=eos_token_ids(options.model_dir, tokenizer),

@@ -14,7 +14,6 @@ logits against ``LlamaForCausalLM`` itself.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,49 +22,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from handler.engine.kv_cache import KVCache
+from handler.engine.linear import DenseLinear, Int8DynamicLinear
 
 # model_type values whose checkpoints this module runs: same block, differing only in names we read from config.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class DenseLinear:
-    """``y = x W^T + b`` with the weight kept in the compute dtype."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Int8DynamicLinear:
-    """Per-channel int8 weights with int8 activations quantised per call (fbgemm); fp32 in and out. CPU only.
-
-    fbgemm picks one activation scale for the whole input tensor, which would let one row's outliers change its
-    batch neighbours' rounding. So each row is first mapped affinely onto exactly [-1, 1]:
-    ``x = c + s * x'``, hence ``W x = s * (W x') + c * rowsum(W)``. Every row then quantises with the same
-    parameters whatever else is in the batch (the integer GEMM is exact), and each row gets its own full range.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
-            qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        # rowsum of the weights as the kernel sees them (dequantised), so the centre term matches exactly
-        self.row_sums = qweight.dequantize().sum(dim=1)  # [out]
-        self.bias = None if bias is None else bias.float()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        low, high = torch.aminmax(x, dim=-1, keepdim=True)  # [rows, 1]
-        centre, half_range = (high + low) * 0.5, ((high - low) * 0.5).clamp(min=1e-6)
-        # reduce_range: 7-bit activations avoid int16 saturation in AVX2 kernels (no VNNI on this CPU)
-        y = torch.ops.quantized.linear_dynamic((x - centre) / half_range, self.packed, True)
-        y = torch.addcmul(y * half_range, centre, self.row_sums)
-        return y if self.bias is None else y + self.bias
 
 
 @dataclass(slots=True)
@@ -141,12 +101,12 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 class DecoderModel:
     """Llama-family forward over a flat batch with a slot-based KV cache."""
 
-    def __init__(self, model_dir: Path, *, dtype: torch.dtype, quantize: bool, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
         config = read_config(model_dir)
         self.shape = shape_from_config(config)
         self.dtype, self.device = dtype, device
         state = load_state_dict(model_dir)
-        make = Int8DynamicLinear if quantize else self._dense
+        make = self._dense  # handler.engine.quantize swaps in int8 layers after calibration
         self.embed = state["model.embed_tokens.weight"].to(device, dtype)
         self.layers = [self._layer(state, i, make) for i in range(self.shape.num_layers)]
         self.final_norm = state["model.norm.weight"].to(device, dtype)
@@ -168,9 +128,7 @@ class DecoderModel:
             out=make(state[f"{p}self_attn.o_proj.weight"], state.get(f"{p}self_attn.o_proj.bias")),
             post_norm=state[f"{p}post_attention_layernorm.weight"].to(self.device, self.dtype),
             gate_up=make(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]), None),
-            # down_proj stays dense: its input (silu(gate) * up) has outlier channels that int8 rounds badly.
-            # Measured on the embedded model: perplexity 8.93 with it quantised, 7.83 without, 7.71 in fp32.
-            down=self._dense(state[f"{p}mlp.down_proj.weight"], None),
+            down=make(state[f"{p}mlp.down_proj.weight"], None),
         )
 
     def _rotary_tables(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:

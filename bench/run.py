@@ -1,0 +1,247 @@
+"""Throughput and latency of the real server against a naive lock-around-generate baseline, in one run.
+
+Starts ``python -m handler serve`` (gunicorn, embedded model) on a free loopback port, drives 1, 4, 16 and 32
+concurrent clients (chat schema on /invocations, greedy, ignore_eos, 64 new tokens, distinct prompts), first
+non-streaming then streaming (JSON lines), and prints aggregate tokens/s, TTFT, inter-token latency, request latency
+and the worker's RSS. Then the same load against bench/baseline_server.py (transformers ``generate`` under a lock)
+and the ratios. Bounded: each client sends ``--requests`` requests per level. Loopback only.
+
+    make bench            # or: python -m bench.run [--levels 1,4,16,32] [--baseline-levels 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "model_store" / "smollm2-135m-instruct"
+TOPICS = ["the sea", "a lighthouse", "a clock", "autumn", "a cat", "the moon", "bread", "a river", "mountains",
+          "a library", "rain", "a violin", "trains", "a garden", "snow", "the desert", "a market", "bees",
+          "a bridge", "coffee", "a forest", "stars", "a kite", "the wind", "a harbour", "lanterns", "an owl",
+          "a map", "salt", "a comet", "tea", "a canyon"]
+
+
+@dataclass
+class Sample:
+    latency: float
+    tokens: int
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server not ready")
+
+
+def body(index: int, stream: bool) -> dict:
+    topic = TOPICS[index % len(TOPICS)]
+    return {"messages": [{"role": "user", "content": f"Write a short poem about {topic} (#{index})."}],
+            "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def one_request(url: str, index: int, stream: bool) -> Sample:
+    start = time.perf_counter()
+    if not stream:
+        response = requests.post(f"{url}/invocations", json=body(index, False), timeout=600)
+        response.raise_for_status()
+        return Sample(time.perf_counter() - start, response.json()["usage"]["completion_tokens"])
+    sample, last = Sample(0.0, 0), None
+    with requests.post(f"{url}/invocations", json=body(index, True), timeout=600, stream=True) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            chunk = json.loads(line)
+            if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
+                continue
+            now = time.perf_counter()
+            sample.ttft = now - start if sample.ttft is None else sample.ttft
+            if last is not None:
+                sample.gaps.append(now - last)
+            last = now
+            sample.tokens += 1
+    sample.latency = time.perf_counter() - start
+    sample.tokens = 64  # ignore_eos + max_tokens: every request generates exactly 64 tokens
+    return sample
+
+
+def run_level(url: str, clients: int, requests_per_client: int, stream: bool) -> tuple[list[Sample], float]:
+    samples: list[Sample] = []
+    lock = threading.Lock()
+
+    def client(number: int) -> None:
+        for k in range(requests_per_client):
+            sample = one_request(url, number * 1000 + k, stream)
+            with lock:
+                samples.append(sample)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return samples, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def rss_mb(pid: int) -> float:
+    """RSS of a process and its children (the gunicorn master and its worker)."""
+    total = 0
+    for p in [pid] + children(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total / 1024
+
+
+def children(pid: int) -> list[int]:
+    try:
+        found = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+    return found + [g for c in found for g in children(c)]
+
+
+def measure(name: str, url: str, pid: int, levels: list[int], per_client: int) -> dict:
+    results = {}
+    for stream in (False, True):
+        for clients in levels:
+            samples, wall = run_level(url, clients, per_client, stream)
+            tokens = sum(s.tokens for s in samples)
+            gaps = [g for s in samples for g in s.gaps]
+            row = {"tok_s": tokens / wall, "lat_p50": pct([s.latency for s in samples], 0.5),
+                   "lat_p95": pct([s.latency for s in samples], 0.95), "rss_mb": rss_mb(pid)}
+            if stream:
+                ttfts = [s.ttft for s in samples if s.ttft is not None]
+                row.update(ttft_p50=pct(ttfts, 0.5), ttft_p95=pct(ttfts, 0.95), itl_p50=pct(gaps, 0.5),
+                           itl_p95=pct(gaps, 0.95))
+            results[(stream, clients)] = row
+            print(f"{name:9s} {'stream' if stream else 'plain ':6s} c={clients:<3d} " + format_row(row), flush=True)
+    return results
+
+
+def format_row(row: dict) -> str:
+    text = f"{row['tok_s']:7.1f} tok/s  lat p50 {row['lat_p50']:6.2f}s p95 {row['lat_p95']:6.2f}s"
+    if "ttft_p50" in row:
+        text += (f"  ttft p50 {row['ttft_p50'] * 1000:6.0f}ms p95 {row['ttft_p95'] * 1000:6.0f}ms"
+                 f"  itl p50 {row['itl_p50'] * 1000:5.0f}ms p95 {row['itl_p95'] * 1000:5.0f}ms")
+    return text + f"  rss {row['rss_mb']:6.0f}MB"
+
+
+def start(command: list[str], env: dict, log: Path) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    env = {**os.environ, **env, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1"}
+    with open(log, "wb") as handle:
+        process = subprocess.Popen([c.replace("{port}", str(port)) for c in command], cwd=ROOT, env=env,
+                                   stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    return process, url, wait_ready(url, process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--baseline-levels", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client per level")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    base_levels = [int(x) for x in args.baseline_levels.split(",") if x]
+    out = ROOT / "bench" / "out"
+    out.mkdir(exist_ok=True)
+
+    process, url, ready_s = start([sys.executable, "-m", "handler", "serve"], {}, out / "server.log")
+    print(f"server: start -> /ping 200 in {ready_s:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
+    try:
+        ours = measure("ours", url, process.pid, levels, args.requests)
+    finally:
+        stop(process)
+    base, base_ready = {}, None
+    if base_levels:
+        process, url, base_ready = start([sys.executable, "-m", "bench.baseline_server", str(MODEL_DIR), "{port}"],
+                                         {}, out / "baseline.log")
+        try:
+            base = measure("baseline", url, process.pid, base_levels, 1)
+        finally:
+            stop(process)
+    report = render(ours, base, ready_s, base_ready, levels, args.requests)
+    print(report)
+    args.results.write_text(report)
+    return 0
+
+
+def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, levels: list[int], per: int) -> str:
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# Benchmark results ({when})", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; command: "
+             f"`make bench` (`python -m bench.run`), {per} requests per client per level for ours, 1 for the "
+             "baseline. Chat schema on /invocations, greedy, ignore_eos, 64 new tokens, distinct prompts.",
+             "", f"Start -> /ping 200: ours {ready_s:.1f} s" + (f", baseline {base_ready:.1f} s" if base_ready else ""),
+             "", "| mode | clients | ours tok/s | baseline tok/s | ratio | TTFT p50/p95 (ms) | ITL p50/p95 (ms) | "
+             "latency p50/p95 (s) | RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for (stream, clients), row in sorted(ours.items()):
+        b = base.get((stream, clients))
+        ratio = f"{row['tok_s'] / b['tok_s']:.1f}x" if b else "—"
+        ttft = f"{row['ttft_p50'] * 1e3:.0f} / {row['ttft_p95'] * 1e3:.0f}" if stream else "—"
+        itl = f"{row['itl_p50'] * 1e3:.0f} / {row['itl_p95'] * 1e3:.0f}" if stream else "—"
+        lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | "
+                     f"{b['tok_s']:.1f} | {ratio} | {ttft} | {itl} | {row['lat_p50']:.2f} / {row['lat_p95']:.2f} | "
+                     f"{row['rss_mb']:.0f} |" if b else
+                     f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | — | — | {ttft} | {itl} | "
+                     f"{row['lat_p50']:.2f} / {row['lat_p95']:.2f} | {row['rss_mb']:.0f} |")
+    single = ours.get((False, 1), {}).get("tok_s")
+    sixteen = ours.get((False, 16), {}).get("tok_s")
+    if single and sixteen:
+        lines += ["", f"16 clients vs our own single stream: {sixteen / single:.1f}x"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

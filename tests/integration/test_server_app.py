@@ -1,0 +1,509 @@
+"""The Flask app through ``app.test_client()``, with the real renderer and a fake engine that replays scripted events.
+
+Asserts routes, schema sniffing, error shapes and status codes, and the exact bytes of JSON, JSON lines and SSE.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from handler import server
+from handler.config import DEFAULT_MODEL_DIR, Settings
+from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, TopLogprob
+from handler.errors import EngineError, NotReady, Overloaded
+from handler.tokenization import PromptRenderer
+
+MODEL_NAME = "smollm2-135m-instruct"
+HELLO, WORLD, EOS = 19556, 905, 2           # "Hello", " world", "<|im_end|>" in the embedded tokenizer
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+CREATED = 1700000000
+
+
+class FakeHandle:
+    """Replays a script; an exception in the script is raised at that point of the iteration."""
+
+    def __init__(self, request: GenerationRequest, script: list) -> None:
+        self.request = request
+        self.script = script
+        self.cancelled = 0
+        self.num_yielded = 0
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            self.num_yielded += 1
+            yield item
+
+
+def hello_script(request: GenerationRequest) -> list:
+    """Every choice says "Hello world" and ends with EOS; choices interleave token by token."""
+    num_prompt = len(request.prompt_ids)
+    events = []
+    for token, text, logprob in [(HELLO, "Hello", -0.5), (WORLD, " world", -0.25)]:
+        for index in range(request.n):
+            top = (TopLogprob(token, logprob),) if request.num_top_logprobs else ()
+            events.append(TokenEvent(index, token, text, logprob, top_logprobs=top))
+    for index in range(request.n):
+        events.append(TokenEvent(index, EOS, "", -0.125, is_special=True, finish_reason=FinishReason.EOS,
+                                 num_prompt_tokens=num_prompt, num_generated_tokens=3))
+    return events
+
+
+class FakeEngine:
+    def __init__(self, script: Callable[[GenerationRequest], list] = hello_script) -> None:
+        self.is_ready = True
+        self.load_error: str | None = None
+        self.script = script
+        self.submit_error: Exception | None = None
+        self.handles: list[FakeHandle] = []
+
+    def submit(self, request: GenerationRequest) -> FakeHandle:
+        if self.submit_error is not None:
+            raise self.submit_error
+        handle = FakeHandle(request, self.script(request))
+        self.handles.append(handle)
+        return handle
+
+
+@pytest.fixture(scope="module")
+def renderer() -> PromptRenderer:
+    if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip("the embedded model is not assembled (make model)")
+    from handler.engine.loader import load_tokenizer
+
+    return PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))
+
+
+@pytest.fixture()
+def service(renderer: PromptRenderer) -> types.SimpleNamespace:
+    return types.SimpleNamespace(settings=Settings(), model_name=MODEL_NAME, default_temperature=0.0,
+                                 renderer=renderer, engine=FakeEngine())
+
+
+@pytest.fixture()
+def client(service, monkeypatch):
+    monkeypatch.setattr(server, "time", types.SimpleNamespace(time=lambda: CREATED + 0.75))
+    monkeypatch.setattr("handler.protocol.chat.new_request_id", lambda prefix: f"{prefix}-test")
+    monkeypatch.setattr("handler.protocol.legacy.new_request_id", lambda prefix: f"{prefix}-test")
+    app = server.create_app(service)
+    return app.test_client()
+
+
+def post(client, path: str, body: object, **kwargs):
+    return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
+
+
+# ---- /ping ----------------------------------------------------------------------------------------------------
+
+def test_ping_503_before_ready_then_200_empty(client, service) -> None:
+    service.engine.is_ready = False
+    response = client.get("/ping")
+    assert response.status_code == 503
+    assert response.get_json() == {"status": "loading"}
+    service.engine.is_ready = True
+    response = client.get("/ping")
+    assert response.status_code == 200
+    assert response.data == b""
+
+
+def test_ping_reports_load_error(client, service) -> None:
+    service.engine.is_ready = False
+    service.engine.load_error = "OSError: no weights"
+    response = client.get("/ping")
+    assert response.status_code == 503
+    assert response.get_json() == {"status": "OSError: no weights"}
+
+
+def test_ping_503_while_draining(service, renderer) -> None:
+    app = server.create_app(service, is_draining=lambda: True)
+    response = app.test_client().get("/ping")
+    assert response.status_code == 503
+    assert response.get_json() == {"status": "stopping"}
+
+
+def test_invocations_before_ready_is_503(client, service) -> None:
+    service.engine.is_ready = False
+    response = post(client, "/invocations", CHAT)
+    assert response.status_code == 503
+    assert response.get_json()["error"]["type"] == "service_unavailable"
+    assert service.engine.handles == []
+
+
+# ---- sniffing and non-streaming bodies ------------------------------------------------------------------------
+
+def test_chat_completion_exact_json(client, service) -> None:
+    response = post(client, "/invocations", CHAT)
+    assert response.status_code == 200
+    assert response.mimetype == "application/json"
+    (handle,) = service.engine.handles
+    num_prompt = len(handle.request.prompt_ids)
+    assert response.data == (
+        '{"id":"chatcmpl-test","object":"chat.completion","created":1700000000,"model":"smollm2-135m-instruct",'
+        '"system_fingerprint":"fp_sagemaker_llm_container","choices":[{"index":0,"message":{"role":"assistant",'
+        '"content":"Hello world"},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":'
+        + str(num_prompt) + ',"completion_tokens":3,"total_tokens":' + str(num_prompt + 3) + "}}").encode()
+    assert response.headers["X-Request-Id"] == "chatcmpl-test"
+    assert handle.cancelled >= 1
+    # the real renderer applied the chat template
+    assert handle.request.prompt_ids == tuple(service.renderer.render_chat([{"role": "user", "content": "hi"}]))
+
+
+def test_chat_completion_n_and_logprobs(client, service) -> None:
+    response = post(client, "/v1/chat/completions", {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 1,
+                                                     "model": "mine"})
+    body = response.get_json()
+    assert response.status_code == 200
+    assert body["model"] == "mine"
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hello world", "Hello world"]
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["choices"][1]["logprobs"]["content"] == [
+        {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"),
+         "top_logprobs": [{"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}]},
+        {"token": " world", "logprob": -0.25, "bytes": list(b" world"),
+         "top_logprobs": [{"token": " world", "logprob": -0.25, "bytes": list(b" world")}]}]
+
+
+def test_messages_win_over_inputs(client, service) -> None:
+    response = post(client, "/invocations", {**CHAT, "inputs": "legacy?"})
+    assert response.status_code == 200
+    assert response.get_json()["object"] == "chat.completion"
+    assert response.get_json()["choices"][0]["message"]["content"] == "Hello world"
+    (handle,) = service.engine.handles
+    assert handle.request.request_id == "chatcmpl-test"
+
+
+def test_inputs_is_legacy(client, service) -> None:
+    response = post(client, "/invocations", {"inputs": "Say hi"})
+    assert response.status_code == 200
+    assert response.data == b'{"generated_text":"Hello world"}'
+    assert response.headers["X-Request-Id"] == "gen-test"
+    (handle,) = service.engine.handles
+    assert handle.request.prompt_ids == tuple(service.renderer.encode("Say hi", add_special_tokens=True))
+    assert handle.request.stop.max_new_tokens == service.settings.default_max_new_tokens
+
+
+def test_legacy_list_details_and_full_text(client, service) -> None:
+    response = post(client, "/invocations", {"inputs": ["A:", "B:"], "parameters": {
+        "details": True, "return_full_text": True, "max_new_tokens": 3}})
+    assert response.status_code == 200
+    token = {"id": HELLO, "text": "Hello", "log_prob": -0.5, "special": False}
+    assert response.get_json() == [{"generated_text": f"{p}Hello world", "details": {
+        "finish_reason": "eos_token", "generated_tokens": 3, "inputs": p,
+        "tokens": [token, {"id": WORLD, "text": " world", "log_prob": -0.25, "special": False},
+                   {"id": EOS, "text": "<|im_end|>", "log_prob": -0.125, "special": True}]}} for p in ("A:", "B:")]
+    assert len(service.engine.handles) == 2
+
+
+def test_neither_field_is_400_naming_both(client) -> None:
+    response = post(client, "/invocations", {"text": "hello"})
+    assert response.status_code == 400
+    error = response.get_json()["error"]
+    assert "'messages'" in error["message"] and "'inputs'" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"", b"\xff\xfe", b'{"inputs": "x",}'])
+def test_bad_json_is_400(client, data: bytes) -> None:
+    response = client.post("/invocations", data=data, content_type="application/json")
+    assert response.status_code == 400
+    assert "not valid JSON" in response.get_json()["error"]["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_literal_is_400(client, service, literal: str) -> None:
+    data = '{"inputs": "x", "parameters": {"temperature": ' + literal + "}}"
+    response = client.post("/invocations", data=data, content_type="application/json")
+    assert response.status_code == 400
+    assert literal in response.get_json()["error"]["message"]
+    assert service.engine.handles == []
+
+
+@pytest.mark.parametrize("body", [[CHAT], "hello", 3])
+def test_non_object_body_is_400(client, body) -> None:
+    response = post(client, "/invocations", body)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["message"] == "the request body must be a JSON object"
+
+
+def test_body_over_6_mib_is_413_json(client, service) -> None:
+    data = b'{"inputs": "' + b"a" * (6 * 1024 * 1024) + b'"}'
+    response = client.post("/invocations", data=data, content_type="application/json")
+    assert response.status_code == 413
+    assert response.mimetype == "application/json"
+    error = response.get_json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert str(6 * 1024 * 1024) in error["message"]
+    assert service.engine.handles == []
+
+
+def test_chat_error_openai_shape(client) -> None:
+    response = post(client, "/invocations", {**CHAT, "temperature": 3})
+    assert response.status_code == 400
+    assert response.get_json() == {"error": {
+        "message": "invalid 'temperature': Input should be less than or equal to 2",
+        "type": "invalid_request_error", "param": "temperature", "code": None}}
+
+
+def test_chat_route_error_openai_shape(client) -> None:
+    response = post(client, "/v1/chat/completions", {"inputs": "x"})
+    assert response.status_code == 400
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == "messages"
+
+
+def test_image_to_text_model_is_400_naming_the_part(client) -> None:
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
+    response = post(client, "/invocations", body)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["param"] == "messages[0].content[1]"
+
+
+def test_legacy_error_legacy_shape(client) -> None:
+    response = post(client, "/invocations", {"inputs": "x", "parameters": {"temperature": -1}})
+    assert response.status_code == 400
+    assert response.get_json() == {"error": "invalid 'parameters.temperature': Input should be greater than or "
+                                            "equal to 0", "error_type": "invalid_request_error",
+                                   "param": "parameters.temperature", "code": 400}
+
+
+def test_legacy_stream_with_list_is_400(client) -> None:
+    response = post(client, "/invocations", {"inputs": ["a", "b"], "stream": True})
+    assert response.status_code == 400
+    assert response.get_json()["param"] == "inputs"
+
+
+@pytest.mark.parametrize(("error", "status", "error_type"), [
+    (NotReady("the server is stopping"), 503, "service_unavailable"),
+    (Overloaded("queue full"), 429, "rate_limit_error"),
+])
+def test_submit_errors_keep_their_status(client, service, error, status: int, error_type: str) -> None:
+    service.engine.submit_error = error
+    response = post(client, "/invocations", CHAT)
+    assert response.status_code == status
+    assert response.get_json() == {"error": {"message": error.message, "type": error_type, "param": None,
+                                             "code": None}}
+    response = post(client, "/invocations", {"inputs": "x"})
+    assert response.status_code == status
+    assert response.get_json()["error"] == error.message
+
+
+def test_engine_fault_non_streaming_is_500_without_traceback(client, service) -> None:
+    service.engine.script = lambda r: [TokenEvent(0, HELLO, "Hello", -0.5),
+                                       TokenEvent(0, None, "", finish_reason=FinishReason.ERROR, error="step failed")]
+    response = post(client, "/invocations", CHAT)
+    assert response.status_code == 500
+    assert response.get_json() == {"error": {"message": "generation failed: step failed", "type": "internal_error",
+                                             "param": None, "code": None}}
+
+
+def test_unexpected_exception_is_500_without_traceback(client, service) -> None:
+    service.engine.script = lambda r: [ZeroDivisionError("secret detail")]
+    response = post(client, "/invocations", {"inputs": "x"})
+    assert response.status_code == 500
+    body = response.get_json()
+    assert body["error"] == "internal error (ZeroDivisionError); see the server log"
+    assert "secret" not in response.get_data(as_text=True)
+    assert "Traceback" not in response.get_data(as_text=True)
+
+
+def test_unknown_route_and_method(client) -> None:
+    assert client.get("/nope").status_code == 404
+    response = client.get("/invocations")
+    assert response.status_code == 405
+    assert response.get_json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- streaming ------------------------------------------------------------------------------------------------
+
+CHUNK_BASE = ('{"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,'
+              '"model":"smollm2-135m-instruct","system_fingerprint":"fp_sagemaker_llm_container",')
+CHAT_RECORDS = [
+    CHUNK_BASE + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+                 '"finish_reason":null}]}',
+    CHUNK_BASE + '"choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}]}',
+    CHUNK_BASE + '"choices":[{"index":0,"delta":{"content":" world"},"logprobs":null,"finish_reason":null}]}',
+    CHUNK_BASE + '"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}',
+]
+LEGACY_LINES = [
+    '{"token":{"id":19556,"text":"Hello","log_prob":-0.5,"special":false},"generated_text":null,"details":null}',
+    '{"token":{"id":905,"text":" world","log_prob":-0.25,"special":false},"generated_text":null,"details":null}',
+    '{"token":{"id":2,"text":"","log_prob":-0.125,"special":true},"generated_text":"Hello world","details":null}',
+]
+
+
+def test_invocations_chat_stream_defaults_to_json_lines(client) -> None:
+    response = post(client, "/invocations", {**CHAT, "stream": True})
+    assert response.status_code == 200
+    assert response.mimetype == "application/jsonlines"
+    assert response.data == "".join(r + "\n" for r in CHAT_RECORDS).encode()
+    assert response.headers["X-Request-Id"] == "chatcmpl-test"
+
+
+def test_invocations_accept_event_stream_gives_sse(client) -> None:
+    response = post(client, "/invocations", {**CHAT, "stream": True}, headers={"Accept": "text/event-stream"})
+    assert response.status_code == 200
+    assert response.mimetype == "text/event-stream"
+    assert response.data == ("".join(f"data: {r}\n\n" for r in CHAT_RECORDS) + "data: [DONE]\n\n").encode()
+    assert response.headers["Cache-Control"] == "no-cache"
+
+
+def test_chat_route_is_always_sse(client) -> None:
+    for accept in (None, "application/jsonlines", "application/json"):
+        headers = {"Accept": accept} if accept else {}
+        response = post(client, "/v1/chat/completions", {**CHAT, "stream": True}, headers=headers)
+        assert response.mimetype == "text/event-stream"
+        assert response.data == ("".join(f"data: {r}\n\n" for r in CHAT_RECORDS) + "data: [DONE]\n\n").encode()
+
+
+def test_output_formatter_setting_picks_the_default_framing(service, renderer) -> None:
+    service.settings = Settings(output_formatter="sse")
+    client = server.create_app(service).test_client()
+    response = post(client, "/invocations", {**CHAT, "stream": True})
+    assert response.mimetype == "text/event-stream"
+    assert response.data.endswith(b"data: [DONE]\n\n")
+
+
+def test_legacy_stream_json_lines_exact(client) -> None:
+    response = post(client, "/invocations", {"inputs": "Say hi", "stream": True})
+    assert response.status_code == 200
+    assert response.mimetype == "application/jsonlines"
+    assert response.data == "".join(line + "\n" for line in LEGACY_LINES).encode()
+
+
+def test_legacy_stream_sse(client) -> None:
+    response = post(client, "/invocations", {"inputs": "Say hi", "stream": True},
+                    headers={"Accept": "text/event-stream"})
+    assert response.mimetype == "text/event-stream"
+    assert response.data == ("".join(f"data: {line}\n\n" for line in LEGACY_LINES) + "data: [DONE]\n\n").encode()
+
+
+def test_chat_stream_include_usage(client, service) -> None:
+    response = post(client, "/invocations", {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    records = [json.loads(line) for line in response.data.decode().splitlines()]
+    num_prompt = len(service.engine.handles[0].request.prompt_ids)
+    assert all(r["usage"] is None for r in records[:-1])
+    assert records[-1]["choices"] == []
+    assert records[-1]["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 3,
+                                    "total_tokens": num_prompt + 3}
+
+
+def _failing_script(error: BaseException) -> Callable[[GenerationRequest], list]:
+    return lambda request: [TokenEvent(0, HELLO, "Hello", -0.5), error]
+
+
+@pytest.mark.parametrize(("error", "message"), [
+    (RuntimeError("secret"), "internal error (RuntimeError); see the server log"),
+    (EngineError("the model step failed"), "the model step failed"),
+])
+def test_chat_stream_raising_mid_stream_ends_with_error_record(client, service, error, message: str) -> None:
+    service.engine.script = _failing_script(error)
+    response = post(client, "/invocations", {**CHAT, "stream": True})
+    assert response.status_code == 200
+    lines = response.data.decode().split("\n")
+    assert lines[-1] == ""
+    assert json.loads(lines[1])["choices"][0]["delta"] == {"content": "Hello"}
+    assert json.loads(lines[-2]) == {"error": {"message": message, "type": "internal_error", "param": None,
+                                               "code": None}}
+    assert len(lines) == 4
+    assert service.engine.handles[0].cancelled >= 1
+
+
+def test_chat_sse_raising_mid_stream_still_ends_with_done(client, service) -> None:
+    service.engine.script = _failing_script(RuntimeError("x"))
+    response = post(client, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert response.status_code == 200
+    frames = response.data.decode().split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""]
+    assert json.loads(frames[-3][len("data: "):])["error"]["type"] == "internal_error"
+
+
+def test_chat_stream_engine_error_event(client, service) -> None:
+    service.engine.script = lambda r: [TokenEvent(0, HELLO, "Hello", -0.5),
+                                       TokenEvent(0, None, "", finish_reason=FinishReason.ERROR, error="non-finite")]
+    response = post(client, "/invocations", {**CHAT, "stream": True})
+    assert response.status_code == 200
+    last = json.loads(response.data.decode().splitlines()[-1])
+    assert last == {"error": {"message": "generation failed: non-finite", "type": "internal_error", "param": None,
+                              "code": None}}
+
+
+def test_legacy_stream_raising_mid_stream_ends_with_error_line(client, service) -> None:
+    service.engine.script = _failing_script(RuntimeError("secret"))
+    response = post(client, "/invocations", {"inputs": "x", "stream": True})
+    assert response.status_code == 200
+    lines = response.data.decode().splitlines()
+    assert len(lines) == 2
+    assert json.loads(lines[0])["token"]["text"] == "Hello"
+    assert json.loads(lines[1]) == {
+        "token": {"id": -1, "text": "", "log_prob": None, "special": True}, "generated_text": None,
+        "details": {"finish_reason": "error", "generated_tokens": 0},
+        "error": "internal error (RuntimeError); see the server log"}
+    assert "secret" not in response.data.decode()
+
+
+def test_legacy_stream_engine_error_event(client, service) -> None:
+    service.engine.script = lambda r: [
+        TokenEvent(0, HELLO, "Hello", -0.5),
+        TokenEvent(0, None, "", finish_reason=FinishReason.ERROR, error="boom", num_generated_tokens=1)]
+    response = post(client, "/invocations", {"inputs": "x", "stream": True})
+    assert response.status_code == 200
+    last = json.loads(response.data.decode().splitlines()[-1])
+    assert last["token"]["id"] == -1
+    assert last["details"] == {"finish_reason": "error", "generated_tokens": 1}
+    assert last["error"] == "boom"
+
+
+def _endless(request: GenerationRequest) -> Iterator[TokenEvent]:
+    for _ in range(10_000):
+        yield TokenEvent(0, HELLO, "Hello", -0.5)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/invocations", {**CHAT, "stream": True}),
+    ("/v1/chat/completions", {**CHAT, "stream": True}),
+    ("/invocations", {"inputs": "x", "stream": True}),
+])
+def test_closing_a_stream_early_cancels_the_handle(client, service, path: str, body: dict) -> None:
+    service.engine.script = _endless
+    response = post(client, path, body, buffered=False)
+    assert response.status_code == 200
+    chunks = iter(response.response)
+    for _ in range(3):
+        assert next(chunks)
+    (handle,) = service.engine.handles
+    assert handle.cancelled == 0
+    response.close()
+    assert handle.cancelled >= 1
+    assert handle.num_yielded < 100
+
+
+def test_legacy_batch_success_does_not_need_cancel(client, service) -> None:
+    response = post(client, "/invocations", {"inputs": ["a", "b", "c"]})
+    assert response.status_code == 200
+    assert response.get_json() == [{"generated_text": "Hello world"}] * 3
+    assert [h.num_yielded for h in service.engine.handles] == [3, 3, 3]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: server.Routes._legacy (non-streaming) folds the handles one by one with "
+                                       "no finally/cancel, so when one prompt of a batch fails the other prompts "
+                                       "keep generating in the engine")
+def test_legacy_batch_failure_cancels_the_other_prompts(client, service) -> None:
+    scripts = iter([[TokenEvent(0, None, "", finish_reason=FinishReason.ERROR, error="boom")],
+                    hello_script, hello_script])
+    service.engine.script = lambda request: (lambda s: s if isinstance(s, list) else s(request))(next(scripts))
+    response = post(client, "/invocations", {"inputs": ["a", "b", "c"]})
+    assert response.status_code == 500
+    assert response.get_json()["error"] == "generation failed: boom"
+    assert all(h.cancelled >= 1 for h in service.engine.handles)
