@@ -79,9 +79,6 @@ def _setting_name(key: str) -> str:
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
     values = {}
-    for name, alias in TGI_ALIASES.items():
-        if name in environ:
-            values[alias] = environ[name]
     for name, value in environ.items():
         if name.startswith("OPTION_") and len(name) > len("OPTION_"):
             rest = name[len("OPTION_"):]
@@ -92,10 +89,14 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def properties_path(environ: Mapping[str, str], model_root: Path) -> Path | None:
-    for candidate in (environ.get("SERVING_PROPERTIES"), model_root / "serving.properties",
-                      REPO_ROOT / "serving.properties"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
+    named = environ.get("SERVING_PROPERTIES")
+    if named:
+        if not Path(named).is_file():
+            raise ConfigError(f"SERVING_PROPERTIES={named!r}: no such file")
+        return Path(named)
+    for candidate in (model_root / "serving.properties", REPO_ROOT / "serving.properties"):
+        if candidate.is_file():
+            return candidate
     return None
 
 
@@ -106,6 +107,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     path = properties_path(environ, model_root)
     raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
     raw.update(env_overrides(environ))
+    for name, alias in TGI_ALIASES.items():  # TGI's names only fill what ours leave unset
+        if name in environ:
+            raw.setdefault(alias, environ[name])
     if not raw.get("model_id") and (model_root / "config.json").is_file():
         raw["model_id"] = str(model_root)
     try:

@@ -98,7 +98,11 @@ class Routes:
         if parsed.stream:
             records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
             return stream_response(records, framing, handles, lambda e: legacy_format.error_line(e.message))
-        results = [legacy_format.generated(h, prompt, ctx) for h, prompt in zip(handles, parsed.prompts)]
+        try:
+            results = [legacy_format.generated(h, prompt, ctx) for h, prompt in zip(handles, parsed.prompts)]
+        finally:
+            for handle in handles:  # when one prompt failed, the others stop too
+                handle.cancel()
         return json_response(results if parsed.is_batch else results[0])
 
     # ---- helpers ------------------------------------------------------------------------------------------

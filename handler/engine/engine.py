@@ -48,7 +48,7 @@ class Engine:
         self._load = load
         self.limits = limits
         self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
-        self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens)
+        self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._cached_prefix_length)
         self._loaded: LoadedModel | None = None
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._ready = threading.Event()
@@ -114,6 +114,9 @@ class Engine:
             self._drain_inbox(block=not self._scheduler.has_work)
             if self._scheduler.has_work:
                 self.step()
+
+    def _cached_prefix_length(self, prompt_ids: list[int]) -> int:
+        return self._loaded.runner.cached_prefix_length(prompt_ids)
 
     def _warm_up(self) -> None:
         """One generation shaped like the largest step: a full prefill chunk, then every slot decoding.

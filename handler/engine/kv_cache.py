@@ -65,6 +65,12 @@ class KVCache:
         self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
         self.values[:, dst, :, :length] = self.values[:, src, :, :length]
 
+    def load(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put precomputed KV (``[layers, kv_heads, length, head_dim]``) at the start of a slot."""
+        length = keys.shape[2]
+        self.keys[:, slot, :, :length] = keys
+        self.values[:, slot, :, :length] = values
+
     def write_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: ``[n, kv_heads, head_dim]`` for slots ``0..n-1`` at ``positions[i]``."""
         slots = torch.arange(k.shape[0], device=k.device)

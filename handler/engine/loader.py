@@ -45,6 +45,23 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def chat_template_prefix(tokenizer) -> list[int]:
+    """The tokens every chat prompt starts with (template opening, default system prompt): the common prefix of
+    two renders that differ only in the user's text. Empty when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        first, second = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       tokenize=False) for text in ("Hello", "Bonjour"))
+    except Exception:  # a template that needs more than one user message has no prefix worth caching
+        return []
+    a, b = tokenizer.encode(first, add_special_tokens=False), tokenizer.encode(second, add_special_tokens=False)
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    return a[:common]
+
+
 def load(options: LoadOptions, tokenizer) -> LoadedModel:
     device = torch.device(options.device)
     model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], device=device)
@@ -52,6 +69,7 @@ def load(options: LoadOptions, tokenizer) -> LoadedModel:
         stats = calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
         smooth_and_quantize(model, stats)
     runner = ModelRunner(model, options.max_running, options.max_model_len)
+    runner.set_shared_prefix(chat_template_prefix(tokenizer))
     return LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
                        eos_token_ids=eos_token_ids(options.model_dir, tokenizer),
                        special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size)

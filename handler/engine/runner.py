@@ -24,6 +24,29 @@ class ModelRunner:
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
         self.groups = model.shape.num_heads // model.shape.num_kv_heads
+        self.prefix_ids: tuple[int, ...] = ()
+        self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_shared_prefix(self, prefix_ids: list[int]) -> None:
+        """Compute once the KV of a prefix most prompts share (the chat template's opening and default system
+        prompt); prompts that start with it copy it into their slot instead of prefilling it."""
+        if len(prefix_ids) < 2:
+            return
+        scratch = self.model.new_cache(1, len(prefix_ids))
+        scratch.ensure(1, len(prefix_ids))
+        layout = build_layout([], [(0, 0, len(prefix_ids))], self.groups, self.model.device)
+        device = self.model.device
+        self.model.forward(torch.tensor(prefix_ids, device=device), torch.arange(len(prefix_ids), device=device),
+                           layout, scratch, torch.tensor([len(prefix_ids) - 1], device=device))
+        self.prefix_ids = tuple(prefix_ids)
+        self.prefix_kv = (scratch.keys[:, 0].clone(), scratch.values[:, 0].clone())
+
+    def cached_prefix_length(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of a prompt the shared prefix covers (always leaving one to compute)."""
+        n = len(self.prefix_ids)
+        if n and len(prompt_ids) > n and tuple(prompt_ids[:n]) == self.prefix_ids:
+            return n
+        return 0
 
     def run(self, plan: StepPlan) -> StepOutput:
         tokens = [s.next_token for s in plan.decode]
@@ -43,10 +66,13 @@ class ModelRunner:
                 logit_rows.append(row - 1)
                 sequences.append(sequence)
         self.cache.ensure(len(plan.decode), max(p + 1 for p in positions))
+        for sequence, start, _length in plan.prefill:
+            if start and start == sequence.num_cached_prefix:  # first chunk after the shared prefix
+                self.cache.load(sequence.slot, *self.prefix_kv)
         device = self.model.device
         layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device)
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                    layout, self.cache, torch.tensor(logit_rows, device=device))
+                                    layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device))
         self._advance(plan)
         return StepOutput(sequences, logits.cpu())
 

@@ -9,6 +9,7 @@ leaves, the last slot's sequence moves into its place.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from handler.engine.sequence import RequestState, Sequence
@@ -38,9 +39,11 @@ class SlotMove:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, max_step_tokens: int) -> None:
+    def __init__(self, max_running: int, max_step_tokens: int,
+                 cached_prefix_length: Callable[[list[int]], int] = lambda ids: 0) -> None:
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
+        self.cached_prefix_length = cached_prefix_length
         self.waiting: deque[RequestState] = deque()
         self.slots: list[Sequence] = []
 
@@ -64,15 +67,16 @@ class Scheduler:
                 length = min(sequence.num_prompt_tokens - sequence.num_cached, budget)
                 prefill.append((sequence, sequence.num_cached, length))
                 budget -= length
-        while self.waiting and budget > 0 and self.num_reserved + self.waiting[0].request.n <= self.max_running:
+        while self.waiting and budget > 1 and self.num_reserved + self.waiting[0].request.n <= self.max_running:
             sequence = self._admit(self.waiting.popleft())
-            length = min(sequence.num_prompt_tokens, budget)
-            prefill.append((sequence, 0, length))
-            budget -= length
+            length = min(sequence.num_prompt_tokens - sequence.num_cached, budget - 1)
+            prefill.append((sequence, sequence.num_cached, length))
+            budget -= length + 1  # its slot also gets a (placeholder) decode row this step
         return StepPlan(decode=list(self.slots), prefill=prefill)
 
     def _admit(self, state: RequestState) -> Sequence:
         sequence = state.new_sequence(0)
+        sequence.num_cached = sequence.num_cached_prefix = self.cached_prefix_length(sequence.prompt_ids)
         self.place(sequence)
         return sequence
 

@@ -31,6 +31,7 @@ class Sequence:
     max_new_tokens: int
     slot: int = -1
     num_cached: int = 0
+    num_cached_prefix: int = 0       # leading prompt tokens whose KV comes from the runner's shared-prefix cache
     finish_reason: FinishReason | None = None
 
     @property

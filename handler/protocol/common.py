@@ -19,11 +19,27 @@ def parse_model(model: type[Model], body: object, prefix: str = "") -> Model:
     try:
         return model.model_validate(body)
     except ValidationError as error:
-        first = error.errors()[0]
-        field = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
+        first = max(error.errors(), key=lambda e: len(e["loc"]))  # the most specific of a union's attempts
+        field = prefix + field_path(first["loc"])
         if first["type"] == "extra_forbidden":
             raise BadRequest(f"unknown field '{field}': this server does not support it", param=field) from None
         raise BadRequest(f"invalid '{field}': {first['msg']}", param=field or None) from None
+
+
+def field_path(loc: tuple) -> str:
+    """``("messages", 0, "content", "list[...]", 1, "image_url", "image_url", "detail")`` ->
+    ``messages[0].content[1].image_url.detail``: pydantic's union-member tags dropped, field names kept."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif not _is_union_tag(item) and (not parts or parts[-1] != f".{item}"):
+            parts.append(f".{item}")
+    return "".join(parts).lstrip(".")
+
+
+def _is_union_tag(item: str) -> bool:
+    return "[" in item or item.startswith("function-") or item in {"str", "int", "float", "bool", "none"}
 
 
 def new_request_id(prefix: str) -> str:

@@ -211,8 +211,6 @@ def test_cancel_before_start_aborts(engine, renderer) -> None:
     assert len(choices[0].token_ids) < 10
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: runner.py builds logit_rows with torch.tensor([]) (float) when a step has "
-                                       "only a non-final prefill chunk; indexing fails with IndexError")
 def test_chunked_prefill_matches_unchunked(engine, loaded, renderer) -> None:
     text = ("The library opened at nine. Readers came in from the rain, shook their umbrellas, and went to the "
             "shelves they knew. ") * 6 + "Summarise the paragraph above in one sentence."

@@ -496,9 +496,6 @@ def test_legacy_batch_success_does_not_need_cancel(client, service) -> None:
     assert [h.num_yielded for h in service.engine.handles] == [3, 3, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: server.Routes._legacy (non-streaming) folds the handles one by one with "
-                                       "no finally/cancel, so when one prompt of a batch fails the other prompts "
-                                       "keep generating in the engine")
 def test_legacy_batch_failure_cancels_the_other_prompts(client, service) -> None:
     scripts = iter([[TokenEvent(0, None, "", finish_reason=FinishReason.ERROR, error="boom")],
                     hello_script, hello_script])

@@ -73,9 +73,7 @@ def test_parse_properties_bad_line_names_its_number(text: str, line: int) -> Non
     ({"OPTION_max_model_len": "64"}, {"max_model_len": "64"}),
     ({"OPTION_": "x", "PATH": "/bin"}, {}),
     ({"HF_MODEL_ID": "/m"}, {"model_id": "/m"}),
-    ({"MAX_BATCH_SIZE": "8", "MAX_TOTAL_TOKENS": "512"}, {"max_rolling_batch_size": "8", "max_model_len": "512"}),
     # ours beat TGI's aliases
-    ({"MAX_BATCH_SIZE": "8", "OPTION_MAX_ROLLING_BATCH_SIZE": "4"}, {"max_rolling_batch_size": "4"}),
     # HF_MODEL_ID beats OPTION_MODEL_ID
     ({"OPTION_MODEL_ID": "/a", "HF_MODEL_ID": "/b"}, {"model_id": "/b"}),
 ])
@@ -240,8 +238,6 @@ def test_default_model_when_nothing_names_one(env: dict[str, str]) -> None:
     assert settings.model_dir == DEFAULT_MODEL_DIR
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: TGI aliases override option.* set in serving.properties; DESIGN.md says "
-                                       "TGI names map onto ours only when ours are unset")
 def test_tgi_alias_does_not_override_properties_file(env: dict[str, str]) -> None:
     write_props(env, "option.max_rolling_batch_size=8\noption.max_model_len=1024\n")
     settings = load_settings({**env, "MAX_BATCH_SIZE": "4", "MAX_TOTAL_TOKENS": "512"})
@@ -249,9 +245,6 @@ def test_tgi_alias_does_not_override_properties_file(env: dict[str, str]) -> Non
     assert settings.max_model_len == 1024
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: properties_path silently skips a SERVING_PROPERTIES file that does not "
-                                       "exist and falls back to another file; a named file that is missing should "
-                                       "fail at start")
 def test_serving_properties_pointing_at_a_missing_file_fails(env: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="SERVING_PROPERTIES"):
         load_settings({**env, "SERVING_PROPERTIES": str(tmp_path / "typo.properties")})

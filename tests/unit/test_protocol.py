@@ -122,8 +122,6 @@ def test_parse_model_refuses_a_non_object() -> None:
         parse_model(ChatCompletionRequest, [MESSAGES])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_model puts pydantic's union-branch tag into param "
-                                       "('messages[0].content.str'), not the field name")
 def test_chat_content_of_wrong_type_names_the_content_field() -> None:
     error = chat_error(messages=[{"role": "user", "content": 5}])
     assert error.param == "messages[0].content"
@@ -220,8 +218,6 @@ def test_chat_image_to_text_only_model_names_the_part(messages: list[dict], para
     assert renderer.chats == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_model reports the first union branch ('messages[0].content.str', "
-                                       "'Input should be a valid string') instead of the bad image detail")
 def test_chat_image_detail_is_validated() -> None:
     error = chat_error(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://x", "detail": "ultra"}}]}])
@@ -258,7 +254,6 @@ def test_legacy_unknown_field(body: dict, param: str) -> None:
     assert "unknown field" in error.message
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_model puts pydantic's union-branch tag into param ('inputs.str')")
 def test_legacy_inputs_of_wrong_type_names_inputs() -> None:
     assert legacy_error({"inputs": 5}).param == "inputs"
 
