@@ -72,8 +72,19 @@ def keep_freed_memory() -> None:
     except OSError:  # not glibc: nothing to tune
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 30)
+    # Blocks up to 32 MiB (activations, logits) come from the heap and are reused; larger ones (weights, the KV
+    # cache) are still mmapped, so memory they free goes back to the OS.
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 256 << 20)
+
+
+def release_load_garbage() -> None:
+    """Hand back what loading and warm-up freed (the fp32 weights int8 replaced, the warm-up's KV cache):
+    with automatic trimming off, glibc would keep it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        return
 
 
 def build_worker_app(settings: Settings, num_threads: int):
@@ -83,7 +94,7 @@ def build_worker_app(settings: Settings, num_threads: int):
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
-    service = ModelService(settings, num_threads=num_threads)
+    service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage)
     draining = threading.Event()
     previous = signal.getsignal(signal.SIGTERM)
 

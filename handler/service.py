@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from handler.config import Settings
@@ -58,12 +59,14 @@ def default_temperature(settings: Settings) -> float:
 class ModelService:
     """The engine, and the prompt renderer the protocol layer uses; both ready once the model has loaded."""
 
-    def __init__(self, settings: Settings, num_threads: int | None = None) -> None:
+    def __init__(self, settings: Settings, num_threads: int | None = None,
+                 on_loaded: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.model_name = settings.model_dir.name
         self.renderer: PromptRenderer | None = None
-        self.engine = Engine(self._load, engine_limits(settings))
+        self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded)
         self._num_threads = num_threads
+        self._on_loaded = on_loaded
         self.default_temperature = default_temperature(settings)
 
     def start(self) -> None:

@@ -44,8 +44,10 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits) -> None:
+    def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits,
+                 on_ready: Callable[[], None] = lambda: None) -> None:
         self._load = load
+        self._on_ready = on_ready
         self.limits = limits
         self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
         self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._cached_prefix_length)
@@ -109,6 +111,7 @@ class Engine:
             log.exception("model load failed")
             return
         self._warm_up()
+        self._on_ready()
         self._ready.set()
         while not self._stopping.is_set():
             self._drain_inbox(block=not self._scheduler.has_work)
@@ -123,7 +126,7 @@ class Engine:
 
         The first request then pays no first-call costs, and the allocator already holds the largest working set.
         """
-        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 256)
+        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
         request = GenerationRequest("warm-up", prompt_ids=tuple(range(1, prompt_length + 1)),
                                     n=self.limits.max_running, stop=StopConditions(max_new_tokens=2, ignore_eos=True))
         self._scheduler.add(RequestState(request, self._new_sequence))

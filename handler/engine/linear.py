@@ -44,10 +44,15 @@ class Int8DynamicLinear:
         self.sentinel[0, 0], self.sentinel[0, -1] = -1.0, 1.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        low, high = torch.aminmax(x, dim=-1, keepdim=True)  # [rows, 1]
-        centre, half_range = (high + low) * 0.5, ((high - low) * 0.5).clamp(min=1e-6)
-        normalised = ((x - centre) / half_range).clamp_(-1.0, 1.0)
+        rows = x.shape[0]
+        low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1]
+        centre = (high + low).mul_(0.5)
+        half_range = (high - low).mul_(0.5).clamp_(min=1e-6)
+        scaled = torch.empty(rows + 1, x.shape[1], dtype=x.dtype)
+        torch.sub(x, centre, out=scaled[:rows])
+        scaled[:rows].div_(half_range).clamp_(-1.0, 1.0)
+        scaled[rows] = self.sentinel
         # reduce_range: 7-bit activations avoid int16 saturation in AVX2 kernels (no VNNI on this CPU)
-        y = torch.ops.quantized.linear_dynamic(torch.cat((normalised, self.sentinel)), self.packed, True)[:-1]
-        y = torch.addcmul(y * half_range, centre, self.row_sums)
-        return y if self.bias is None else y + self.bias
+        y = torch.ops.quantized.linear_dynamic(scaled, self.packed, True)[:rows]
+        y = torch.addcmul(y.mul_(half_range), centre, self.row_sums)
+        return y if self.bias is None else y.add_(self.bias)

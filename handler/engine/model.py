@@ -86,7 +86,10 @@ def shape_from_config(config: dict) -> ModelShape:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every safetensors file in the folder (sharded checkpoints included)."""
+    """All tensors of every safetensors file in the folder (sharded checkpoints included).
+
+    Copied out of the file mapping: a tensor kept from it (the embeddings) would otherwise keep the whole file
+    mapped and resident (measured: 525 MB of RSS for the embedded model after int8 replaced the rest)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
@@ -94,7 +97,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
+                tensors[key] = handle.get_tensor(key).clone()
     return tensors
 
 
