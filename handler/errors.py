@@ -60,6 +60,13 @@ class NotReady(ServingError):
     error_type = "service_unavailable"
 
 
+class GatewayTimeout(ServingError):
+    """504: the request ran past ``option.request_timeout`` (waiting for a slot included) and was ended."""
+
+    status_code = 504
+    error_type = "timeout_error"
+
+
 class EngineError(ServingError):
     """500: the model failed while serving a request."""
 

@@ -2,6 +2,9 @@
 
 ``/invocations`` sniffs the body: ``messages`` means chat completions (it wins when ``inputs`` is there too),
 else ``inputs`` means the legacy schema, else 400 naming both fields.
+
+Every response carries ``X-Request-Id`` (the completion's id once a request reached the engine, a fresh one for
+requests refused before); when the response has been sent, the request is logged and counted (``request_log``).
 """
 
 from __future__ import annotations
@@ -14,35 +17,52 @@ from collections.abc import Callable, Iterable, Iterator
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from handler.engine.sequence import RequestHandle
-from handler.errors import BadRequest, EngineError, NotReady, PayloadTooLarge, ServingError
+from handler import metrics, request_log
+from handler.djl_routes import install_user_handler
+from handler.engine.engine import Admission, Engine
+from handler.errors import BadRequest, EngineError, NotReady, Overloaded, PayloadTooLarge, ServingError
 from handler.formatting import chat as chat_format
 from handler.formatting import legacy as legacy_format
 from handler.formatting.context import FormatContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol.chat import ChatCompletionRequest
-from handler.protocol.common import parse_model
+from handler.protocol.common import new_request_id, parse_model
 from handler.protocol.legacy import LegacyRequest
+from handler.request_log import ObservedHandle
 from handler.service import ModelService
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit
+UNLOGGED_ROUTES = frozenset({"/ping", "/metrics"})  # SageMaker pings every few seconds; scrapes are not traffic
 
 
 def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    request_log.configure_logging(service.settings.log_level)
+    connect_engine(service)
     routes = Routes(service, is_draining)
 
     app.add_url_rule("/ping", view_func=routes.ping, methods=["GET"])
     app.add_url_rule("/invocations", view_func=routes.invocations, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
+    app.add_url_rule("/metrics", view_func=routes.metrics, methods=["GET"])
     app.register_error_handler(ServingError, routes.serving_error)
     app.register_error_handler(HTTPException, routes.http_error)
     app.register_error_handler(Exception, routes.unexpected_error)
-    app.after_request(routes.add_request_id)
+    app.before_request(routes.start_record)
+    app.after_request(routes.finish_response)
+    if service.user_handler is not None:
+        install_user_handler(app, routes.invocations, service)
     return app
+
+
+def connect_engine(service: ModelService) -> None:
+    """Hand the engine its limits and the metrics listener (an engine of another kind, e.g. a test's, is left)."""
+    if isinstance(service.engine, Engine):
+        settings = service.settings
+        service.engine.configure(Admission(settings.max_queue_size, settings.request_timeout), metrics.record_step)
 
 
 class Routes:
@@ -53,10 +73,13 @@ class Routes:
 
     # ---- routes -------------------------------------------------------------------------------------------
     def ping(self) -> Response:
-        if self.service.engine.is_ready and not self.is_draining():
+        if self.service.is_ready and not self.is_draining():
             return Response(status=200)
-        reason = "stopping" if self.is_draining() else (self.service.engine.load_error or "loading")
+        reason = "stopping" if self.is_draining() else (self.service.load_error or "loading")
         return json_response({"status": reason}, 503)
+
+    def metrics(self) -> Response:
+        return Response(metrics.render(), content_type=metrics.CONTENT_TYPE)
 
     def invocations(self) -> Response:
         body = read_json()
@@ -75,6 +98,7 @@ class Routes:
     # ---- schemas ------------------------------------------------------------------------------------------
     def _chat(self, body: dict, framing: str) -> Response:
         parsed = parse_model(ChatCompletionRequest, body)
+        self._note(bool(parsed.stream), body.get("messages"))
         generation = parsed.to_generation_request(self._renderer(), self.service.default_temperature)
         handle = self._submit(generation)
         ctx = self._context(generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
@@ -90,6 +114,7 @@ class Routes:
 
     def _legacy(self, body: dict, framing: str) -> Response:
         parsed = parse_model(LegacyRequest, body)
+        self._note(bool(parsed.stream), body.get("inputs"))
         generations = parsed.to_generation_requests(self._renderer(), self.service.settings.default_max_new_tokens)
         handles = self._submit_all(generations)
         p = parsed.parameters
@@ -113,13 +138,26 @@ class Routes:
             raise NotReady("the model is still loading")
         return self.service.renderer
 
-    def _submit(self, generation) -> RequestHandle:
-        handle = self.service.engine.submit(generation)
-        g.request_id = generation.request_id
-        return handle
+    def _note(self, is_stream: bool, prompt: object) -> None:
+        record = current_record()
+        record.is_stream = is_stream
+        if self.service.settings.log_prompts:
+            record.prompt = prompt
 
-    def _submit_all(self, generations) -> list[RequestHandle]:
-        handles: list[RequestHandle] = []
+    def _submit(self, generation) -> ObservedHandle:
+        try:
+            handle = self.service.engine.submit(generation)
+        except Overloaded:
+            metrics.record_rejection()
+            raise
+        record = current_record()
+        if not g.get("has_engine_id"):  # a legacy batch is known by its first prompt's id
+            g.request_id = record.request_id = generation.request_id
+            g.has_engine_id = True
+        return ObservedHandle(handle, record)
+
+    def _submit_all(self, generations) -> list[ObservedHandle]:
+        handles: list[ObservedHandle] = []
         try:
             for generation in generations:
                 handles.append(self._submit(generation))
@@ -157,10 +195,28 @@ class Routes:
         return self.serving_error(EngineError(f"internal error ({type(error).__name__}); see the server log"))
 
     @staticmethod
-    def add_request_id(response: Response) -> Response:
-        if g.get("request_id"):
-            response.headers["X-Request-Id"] = g.request_id
+    def start_record() -> None:
+        g.request_id = new_request_id("req")
+        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        g.record = request_log.start(g.request_id, route)
+
+    @staticmethod
+    def finish_response(response: Response) -> Response:
+        """Tag the response with its id; log and count the request once the response has been sent."""
+        response.headers["X-Request-Id"] = g.get("request_id") or new_request_id("req")
+        record = g.get("record")
+        if record is not None and record.route not in UNLOGGED_ROUTES:
+            record.schema = g.get("schema", "none")
+            status = response.status_code
+            response.call_on_close(lambda: request_log.finish(record, status))
         return response
+
+
+def current_record() -> request_log.RequestRecord:
+    """This request's record; a view called outside a routed request (a custom handler's start-up) gets a spare."""
+    if g.get("record") is None:
+        g.record = request_log.start(g.get("request_id") or new_request_id("req"), "/invocations")
+    return g.record
 
 
 def read_json() -> dict:
@@ -193,7 +249,7 @@ def json_response(payload: object, status: int = 200) -> Response:
     return Response(dumps(payload), status=status, mimetype="application/json")
 
 
-def stream_response(records: Iterable[dict], framing: str, handles: list[RequestHandle],
+def stream_response(records: Iterable[dict], framing: str, handles: list[ObservedHandle],
                     error_record: Callable[[ServingError], dict]) -> Response:
     """Stream records in the chosen framing; a failure after the first byte becomes a final error record."""
     frame, mimetype = FRAMINGS[framing]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from handler.config import Settings
+from handler.djl import UserHandler, find_entry_point
 from handler.engine.engine import Engine, EngineLimits, LoadedModel
 from handler.errors import ConfigError
 from handler.tokenization import PromptRenderer
@@ -67,10 +69,35 @@ class ModelService:
         self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded)
         self._num_threads = num_threads
         self._on_loaded = on_loaded
+        entry_point = find_entry_point(settings.model_dir, settings.entryPoint)
+        self.handler_properties = {k: str(v) for k, v in settings.model_dump().items() if v is not None}
+        self.handler_properties["model_dir"] = str(settings.model_dir)
+        self.user_handler = UserHandler(entry_point, self.handler_properties) if entry_point else None
+        self.handler_error: str | None = None
         self.default_temperature = default_temperature(settings)
 
     def start(self) -> None:
         self.engine.start()
+        if self.user_handler is not None:
+            threading.Thread(target=self._initialise_user_handler, name="handler-init", daemon=True).start()
+
+    @property
+    def is_ready(self) -> bool:
+        handler_ready = self.user_handler is None or self.user_handler.is_initialised
+        return self.engine.is_ready and handler_ready
+
+    @property
+    def load_error(self) -> str | None:
+        return self.engine.load_error or self.handler_error
+
+    def _initialise_user_handler(self) -> None:
+        """LMI's first call: an empty input, after the built-in engine is ready (the handler may use it)."""
+        self.engine.wait_ready()
+        try:
+            self.user_handler.initialise()
+        except Exception as error:
+            log.exception("custom handler %s failed to initialise", self.user_handler.name)
+            self.handler_error = f"custom handler {self.user_handler.name} failed to initialise: {error}"
 
     def _load(self) -> LoadedModel:
         import torch

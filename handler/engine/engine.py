@@ -3,26 +3,40 @@
 Callers on any thread ``submit`` a ``GenerationRequest`` and read ``TokenEvent``s from the returned handle; they
 never touch the model or wait on a lock around it. All requests in flight share each model step (continuous
 batching): new requests join between steps, finished ones leave at once and free their cache slot.
+
+Backpressure lives here because only the engine knows what waits: past ``Admission.max_waiting`` requests without a
+slot, ``submit`` refuses at once (429) rather than letting callers queue without bound; a request still unfinished
+``Admission.timeout_s`` after its submit ends with an error event that names the limit, which frees its slot. The
+engine reports ``EngineStats`` to one listener after its steps (metrics); it imports nothing of HTTP or Prometheus.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.runner import ModelRunner, StepOutput
 from handler.engine.sampler import RowState, SampleResult, sample
-from handler.engine.scheduler import Scheduler
+from handler.engine.scheduler import Scheduler, StepPlan
 from handler.engine.sequence import RequestHandle, RequestState, Sequence, make_generator
 from handler.engine.types import FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
-from handler.errors import BadRequest, EngineError, NotReady
+from handler.errors import BadRequest, EngineError, NotReady, Overloaded
 
 log = logging.getLogger(__name__)
+
+TIMEOUT_ERROR_PREFIX = "request timed out after"
+
+
+def is_timeout_error(error: str | None) -> bool:
+    """Whether an error event's message is the engine's deadline (the server answers those with 504)."""
+    return bool(error) and error.startswith(TIMEOUT_ERROR_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +44,38 @@ class EngineLimits:
     max_running: int          # sequences decoded together (option.max_rolling_batch_size)
     max_model_len: int        # prompt + completion tokens
     max_step_tokens: int      # tokens one step may process (option.max_num_batched_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How much waiting the engine accepts (``None``: no limit)."""
+
+    max_waiting: int | None = None     # requests without a batch slot (option.max_queue_size)
+    timeout_s: float | None = None     # seconds from submit to the last event (option.request_timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What the engine reports to its listener after each step, and once when it goes idle."""
+
+    num_running: int                   # requests holding batch slots
+    num_waiting: int                   # requests submitted but without a slot
+    batch_size: int                    # sequences in the step just run (0: no step ran)
+    num_sampled: int                   # tokens sampled since the previous report
+    kv_cache_used_bytes: int           # cache positions holding tokens of running sequences
+    kv_cache_allocated_bytes: int
+
+
+@dataclass(slots=True, eq=False)
+class TrackedRequest(RequestState):
+    """A request with its deadline; it waits until its first sequence takes a slot."""
+
+    deadline: float = math.inf         # time.monotonic() value
+    is_expired: bool = False
+
+    @property
+    def is_waiting(self) -> bool:
+        return not self.sequences and not self.is_expired and not self.cancelled.is_set()
 
 
 @dataclass(slots=True)
@@ -56,6 +102,12 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.load_error: str | None = None
+        self._admission = Admission()
+        self._listener: Callable[[EngineStats], None] | None = None
+        self._last_stats: EngineStats | None = None
+        self._submit_lock = threading.Lock()
+        self._pending: list[TrackedRequest] = []    # submitted requests that may still be waiting
+        self._num_sampled = 0                         # tokens sampled since the last report
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -76,14 +128,31 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
 
+    def configure(self, admission: Admission, listener: Callable[[EngineStats], None] | None = None) -> None:
+        """Set the limits and the stats listener (the listener runs on the engine thread and must be quick)."""
+        self._admission = admission
+        self._listener = listener
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``ServingError`` for one that cannot be served."""
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
         self.validate(request)
-        state = RequestState(request, self._new_sequence)
-        self._inbox.put(state)
+        timeout = self._admission.timeout_s
+        deadline = time.monotonic() + timeout if timeout is not None else math.inf
+        state = TrackedRequest(request, self._new_sequence, deadline=deadline)
+        with self._submit_lock:
+            self._check_queue_room()
+            self._pending.append(state)
+            self._inbox.put(state)
         return RequestHandle(state, lambda: self._thread.is_alive())
+
+    def _check_queue_room(self) -> None:
+        self._pending = [s for s in self._pending if s.is_waiting]
+        limit = self._admission.max_waiting
+        if limit is not None and len(self._pending) >= limit:
+            raise Overloaded(f"the server is busy: {len(self._pending)} requests are already waiting for a batch "
+                             "slot (option.max_queue_size); retry later")
 
     def validate(self, request: GenerationRequest) -> None:
         num_prompt = len(request.prompt_ids)
@@ -115,8 +184,8 @@ class Engine:
         self._ready.set()
         while not self._stopping.is_set():
             self._drain_inbox(block=not self._scheduler.has_work)
-            if self._scheduler.has_work:
-                self.step()
+            batch_size = self.step() if self._scheduler.has_work else 0
+            self._report(batch_size)
 
     def _cached_prefix_length(self, prompt_ids: list[int]) -> int:
         return self._loaded.runner.cached_prefix_length(prompt_ids)
@@ -129,9 +198,10 @@ class Engine:
         prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
         request = GenerationRequest("warm-up", prompt_ids=tuple(range(1, prompt_length + 1)),
                                     n=self.limits.max_running, stop=StopConditions(max_new_tokens=2, ignore_eos=True))
-        self._scheduler.add(RequestState(request, self._new_sequence))
+        self._scheduler.add(TrackedRequest(request, self._new_sequence))
         while self._scheduler.has_work:
             self.step()
+        self._num_sampled = 0  # warm-up tokens are not traffic
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -143,12 +213,18 @@ class Engine:
         except queue.Empty:
             return
 
-    def step(self) -> None:
-        """One engine step: schedule, run the model once, sample and emit."""
+    def step(self) -> int:
+        """One engine step: schedule, run the model once, sample and emit. Returns the batch size."""
         self._drop_cancelled()
+        self._expire_overdue()
         plan = self._scheduler.schedule()
-        if plan.is_empty:
-            return
+        if not plan.is_empty:
+            self._run(plan)
+        if not self._scheduler.slots:  # also when the last running request was cancelled or expired
+            self._loaded.runner.release()
+        return len(plan.decode)
+
+    def _run(self, plan: StepPlan) -> None:
         try:
             self._postprocess(self._loaded.runner.run(plan))
         except Exception as error:  # the batch's requests end with an error event; the engine goes on
@@ -156,8 +232,6 @@ class Engine:
             for sequence in list(self._scheduler.slots):
                 if sequence.finish_reason is None:
                     self._finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
-        if not self._scheduler.slots:
-            self._loaded.runner.release()
 
     def _postprocess(self, output: StepOutput) -> None:
         sequences, logits = self._fork_completed_prompts(output)
@@ -192,6 +266,7 @@ class Engine:
     def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
         token_id = result.token_ids[row]
         sequence.output_ids.append(token_id)
+        self._num_sampled += 1
         stop = sequence.request.request.stop
         is_eos = token_id in self._loaded.eos_token_ids and not stop.ignore_eos
         text, hit_stop_string = ("", False) if is_eos else sequence.detokenizer.push(token_id)
@@ -235,6 +310,53 @@ class Engine:
                                             num_prompt_tokens=len(state.request.prompt_ids)))
         for sequence in [s for s in self._scheduler.slots if s.request.cancelled.is_set()]:
             self._finish(sequence, FinishReason.ABORT)
+
+    def _expire_overdue(self) -> None:
+        """End every request past its deadline, waiting or running, with an error event naming the limit."""
+        now = time.monotonic()
+        waiting = [s for s in self._scheduler.waiting if s.deadline <= now]
+        if waiting:
+            self._scheduler.waiting = deque(s for s in self._scheduler.waiting if s.deadline > now)
+        running = {s.request: None for s in self._scheduler.slots if s.request.deadline <= now}
+        for state in waiting + list(running):
+            self._expire(state)
+
+    def _expire(self, state: TrackedRequest) -> None:
+        message = f"{TIMEOUT_ERROR_PREFIX} {self._admission.timeout_s:g} s (option.request_timeout)"
+        state.is_expired = True
+        for sequence in list(state.sequences):
+            if sequence.finish_reason is None:
+                self._finish(sequence, FinishReason.ERROR, error=message)
+        started = {s.index for s in state.sequences}
+        for index in range(state.request.n):  # choices not forked yet (or never admitted) end too
+            if index not in started:
+                state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
+                                            error=message, num_prompt_tokens=len(state.request.prompt_ids)))
+
+    def _report(self, batch_size: int) -> None:
+        """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""
+        if self._listener is None:
+            return
+        stats = self._stats(batch_size)
+        if batch_size == 0 and stats == self._last_stats:
+            return
+        self._num_sampled = 0
+        self._last_stats = stats
+        try:
+            self._listener(stats)
+        except Exception:  # metrics must never stop the engine
+            log.exception("engine stats listener failed")
+
+    def _stats(self, batch_size: int) -> EngineStats:
+        slots = self._scheduler.slots
+        cache = getattr(self._loaded.runner, "cache", None)
+        per_token = cache.bytes_per_token if cache is not None else 0
+        return EngineStats(
+            num_running=len({id(s.request) for s in slots}),
+            num_waiting=len(self._scheduler.waiting) + self._inbox.qsize(),
+            batch_size=batch_size, num_sampled=self._num_sampled,
+            kv_cache_used_bytes=per_token * sum(s.num_cached for s in slots),
+            kv_cache_allocated_bytes=cache.num_bytes if cache is not None else 0)
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         request = state.request

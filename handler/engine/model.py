@@ -170,10 +170,7 @@ class DecoderModel:
                    layout: StepLayout, cache: KVCache) -> torch.Tensor:
         s = self.shape
         rows = qkv.shape[0]
-        qk = qkv[:, : (s.num_heads + s.num_kv_heads) * s.head_dim].view(rows, -1, s.head_dim)
-        qk = qk * cos + _rotate_half(qk) * sin  # [rows, heads + kv_heads, head_dim]
-        q, k = qk[:, : s.num_heads], qk[:, s.num_heads:]
-        v = qkv[:, (s.num_heads + s.num_kv_heads) * s.head_dim:].view(rows, s.num_kv_heads, s.head_dim)
+        q, k, v = _split_and_rotate(qkv, cos, sin, s.num_heads, s.num_kv_heads, s.head_dim)
         out = torch.empty(rows, s.num_heads * s.head_dim, dtype=qkv.dtype, device=qkv.device)
         n = layout.num_decode
         if n:
@@ -207,9 +204,18 @@ class DecoderModel:
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@torch.jit.script
+def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv ``[rows, (heads + 2 kv_heads) * head_dim]`` -> q, k (RoPE applied) and v, per head. Scripted: these
+    dozen small ops per layer cost more in Python dispatch than in arithmetic."""
+    rows = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, -1, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk = qk * cos + rotated * sin  # [rows, heads + kv_heads, head_dim]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
+    return qk[:, :num_heads], qk[:, num_heads:], v
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,

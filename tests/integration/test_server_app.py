@@ -83,10 +83,22 @@ def renderer() -> PromptRenderer:
     return PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))
 
 
+class FakeService(types.SimpleNamespace):
+    """What create_app reads from ModelService, around a scripted engine."""
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine.is_ready
+
+    @property
+    def load_error(self) -> str | None:
+        return self.engine.load_error
+
+
 @pytest.fixture()
-def service(renderer: PromptRenderer) -> types.SimpleNamespace:
-    return types.SimpleNamespace(settings=Settings(), model_name=MODEL_NAME, default_temperature=0.0,
-                                 renderer=renderer, engine=FakeEngine())
+def service(renderer: PromptRenderer) -> FakeService:
+    return FakeService(settings=Settings(), model_name=MODEL_NAME, default_temperature=0.0, renderer=renderer,
+                       engine=FakeEngine(), user_handler=None)
 
 
 @pytest.fixture()

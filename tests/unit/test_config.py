@@ -124,9 +124,13 @@ def test_tgi_aliases_unset_leave_defaults(env: dict[str, str]) -> None:
 
 def test_mixed_case_option_keeps_its_case_and_is_unknown(env: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as info:
-        load_settings({**env, "OPTION_entryPoint": "model.py"})
-    assert "option.entryPoint" in str(info.value)
+        load_settings({**env, "OPTION_maxFooBar": "1"})
+    assert "option.maxFooBar" in str(info.value)
     assert "unknown" in str(info.value)
+
+
+def test_entry_point_keeps_its_case(env: dict[str, str]) -> None:
+    assert load_settings({**env, "OPTION_entryPoint": "my_handler.py"}).entryPoint == "my_handler.py"
 
 
 @pytest.mark.parametrize(("environ", "key"), [

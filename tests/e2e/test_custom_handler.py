@@ -1,0 +1,86 @@
+"""A djl-python-style model.py in the model directory replaces the built-in handler, and can wrap it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.e2e.conftest import REPO_ROOT, start_server, stop_server
+
+MODEL_PY = textwrap.dedent('''
+    import json
+
+    from handler.djl import Input, Output, builtin_handle
+
+    calls = []
+
+    def upper_lines(chunks):
+        buffer = b""
+        for chunk in chunks:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\\n")
+            for line in lines:
+                record = json.loads(line)
+                record["token"]["text"] = record["token"]["text"].upper()
+                yield json.dumps(record) + "\\n"
+
+    def handle(inputs: Input):
+        calls.append("init" if inputs.is_empty() else "request")
+        if inputs.is_empty():
+            assert inputs.get_properties()["model_dir"]
+            return None
+        body = inputs.get_as_json()
+        if body.get("explode"):
+            raise ValueError("asked to explode")
+        if body.get("stream"):
+            inner = builtin_handle(inputs)
+            return Output().add_property("X-Calls", ",".join(calls)).add_stream_content(upper_lines(inner.iter_body()))
+        result = builtin_handle(inputs).get_as_json()
+        return (Output().add_property("X-Calls", ",".join(calls))
+                .add_as_json({"generated_text": result["generated_text"].upper()}))
+''')
+
+
+@pytest.fixture(scope="module")
+def custom(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("custom-model")
+    embedded = REPO_ROOT / "model_store" / "smollm2-135m-instruct"
+    for item in embedded.iterdir():
+        (model_dir / item.name).symlink_to(item)
+    (model_dir / "model.py").write_text(MODEL_PY)
+    server = start_server(Path(tmp_path_factory.mktemp("custom-server")), {"HF_MODEL_ID": str(model_dir)})
+    yield server
+    stop_server(server)
+
+
+def test_user_handler_wraps_the_builtin_one(custom):
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6}}
+    response = requests.post(f"{custom.url}/invocations", json=body, timeout=60)
+    assert response.status_code == 200
+    text = response.json()["generated_text"]
+    assert text == text.upper() and any(c.isalpha() for c in text)
+    assert response.headers["X-Calls"].startswith("init,request")  # LMI's empty initialisation call came first
+
+
+def test_user_handler_can_stream(custom):
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6}, "stream": True}
+    response = requests.post(f"{custom.url}/invocations", json=body, timeout=60)
+    lines = [json.loads(line) for line in response.content.decode().splitlines()]
+    assert len(lines) == 6 and lines[-1]["generated_text"]
+    texts = [line["token"]["text"] for line in lines]
+    assert all(t == t.upper() for t in texts) and any(t != t.lower() for t in texts)
+
+
+def test_user_handler_failure_is_a_500_naming_the_handler_and_the_worker_keeps_serving(custom):
+    response = requests.post(f"{custom.url}/invocations", json={"inputs": "x", "explode": True}, timeout=60)
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert "model.py" in message and "asked to explode" in message and "Traceback" not in message
+    assert requests.get(f"{custom.url}/ping", timeout=2).status_code == 200
+    ok = requests.post(f"{custom.url}/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                       timeout=60)
+    assert ok.status_code == 200

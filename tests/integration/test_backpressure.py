@@ -1,0 +1,292 @@
+"""The real engine thread around a scripted runner: the bounded wait queue, per-request deadlines, step stats, and
+how the server answers them (429, 504, a stream's final error record) through ``app.test_client()``.
+
+The runner always picks the token " world" and can be held before a step, so which requests hold a slot and which
+wait is decided by the test, not by speed. Deadlines run on a fake clock; nothing here asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from handler import metrics, server
+from handler.config import DEFAULT_MODEL_DIR, Settings
+from handler.engine import engine as engine_module
+from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
+from handler.engine.runner import StepOutput
+from handler.engine.scheduler import StepPlan
+from handler.engine.types import FinishReason, GenerationRequest, StopConditions
+from handler.errors import Overloaded
+from handler.tokenization import PromptRenderer
+
+WORLD, EOS = 905, 2                          # " world", "<|im_end|>" in the embedded tokenizer
+LONG = StopConditions(max_new_tokens=400, ignore_eos=True)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+class GatedRunner:
+    """A runner whose steps can be held: ``hold()`` stops the next step until ``open_gate()``."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.cache = types.SimpleNamespace(bytes_per_token=8, num_bytes=4096)
+        self._open = threading.Event()
+        self._open.set()
+        self.waiting_at_gate = threading.Event()
+
+    def hold(self) -> None:
+        self.waiting_at_gate.clear()
+        self._open.clear()
+
+    def open_gate(self) -> None:
+        self._open.set()
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        if not self._open.is_set():
+            self.waiting_at_gate.set()
+            self._open.wait()
+        rows = [s for s in plan.decode if not s.is_prefilling]
+        rows += [s for s, start, length in plan.prefill if start + length == s.num_prompt_tokens]
+        for sequence in plan.decode:
+            if not sequence.is_prefilling:
+                sequence.num_cached += 1
+        for sequence, _start, length in plan.prefill:
+            sequence.num_cached += length
+        logits = torch.zeros(len(rows), self.vocab_size)
+        logits[:, WORLD] = 10.0
+        return StepOutput(rows, logits)
+
+    def cached_prefix_length(self, prompt_ids: list[int]) -> int:
+        return 0
+
+    def move(self, move) -> None:
+        pass
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    def release(self) -> None:  # the engine frees the KV cache when idle
+        pass
+
+
+class FakeClock:
+    """``time.monotonic`` for the engine module: each reading is one second later than the one before."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            self.now += 1.0
+            return self.now
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip("the embedded model is not assembled (make model)")
+    from handler.engine.loader import load_tokenizer
+
+    return load_tokenizer(Path(DEFAULT_MODEL_DIR))
+
+
+class Harness:
+    def __init__(self, tokenizer, max_running: int = 1) -> None:
+        vocab_size = len(tokenizer)
+        self.runner = GatedRunner(vocab_size)
+        self.stats: list[EngineStats] = []
+        loaded = LoadedModel(self.runner, tokenizer.backend_tokenizer, frozenset({EOS}), frozenset({EOS}), vocab_size)
+        self.engine = Engine(lambda: loaded, EngineLimits(max_running=max_running, max_model_len=512,
+                                                          max_step_tokens=64))
+
+    def start(self, admission: Admission) -> Harness:
+        self.engine.configure(admission, self.stats.append)
+        self.engine.start()
+        wait_until_ready(self.engine, timeout=60)
+        return self
+
+    def hold_after_admitting(self, request: GenerationRequest):
+        """Submit a request, then hold the runner once it holds a slot; returns its handle."""
+        self.runner.hold()
+        handle = self.engine.submit(request)
+        assert self.runner.waiting_at_gate.wait(30)
+        return handle
+
+
+def generation(name: str, stop: StopConditions = LONG, n: int = 1) -> GenerationRequest:
+    return GenerationRequest(name, prompt_ids=(1, 2, 3), stop=stop, n=n)
+
+
+@pytest.fixture()
+def harness(tokenizer):
+    made: list[Harness] = []
+
+    def make(admission: Admission, max_running: int = 1) -> Harness:
+        made.append(Harness(tokenizer, max_running).start(admission))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.runner.open_gate()
+        h.engine.stop()
+
+
+@pytest.fixture()
+def fake_clock(monkeypatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    return clock
+
+
+def finals(handle) -> list:
+    return [e for e in handle if e.finish_reason is not None]
+
+
+# ---- the wait queue ---------------------------------------------------------------------------------------
+
+def test_full_queue_refuses_at_once_then_accepts_when_room(harness) -> None:
+    h = harness(Admission(max_waiting=2))
+    running = h.hold_after_admitting(generation("a", StopConditions(max_new_tokens=2)))
+    waiting = [h.engine.submit(generation(name, StopConditions(max_new_tokens=2))) for name in ("b", "c")]
+    with pytest.raises(Overloaded, match=r"2 requests are already waiting .*option\.max_queue_size"):
+        h.engine.submit(generation("d"))
+    h.runner.open_gate()
+    for handle in [running, *waiting]:
+        assert [e.finish_reason for e in finals(handle)] == [FinishReason.LENGTH]
+    assert finals(h.engine.submit(generation("e", StopConditions(max_new_tokens=1))))[0].finish_reason \
+        is FinishReason.LENGTH
+
+
+def test_cancelled_waiting_request_leaves_the_queue(harness) -> None:
+    h = harness(Admission(max_waiting=1))
+    running = h.hold_after_admitting(generation("a", StopConditions(max_new_tokens=2)))
+    h.engine.submit(generation("b")).cancel()
+    third = h.engine.submit(generation("c", StopConditions(max_new_tokens=2)))  # the cancelled one does not count
+    h.runner.open_gate()
+    assert finals(running)[0].finish_reason is FinishReason.LENGTH
+    assert finals(third)[0].finish_reason is FinishReason.LENGTH
+
+
+# ---- deadlines ----------------------------------------------------------------------------------------------
+
+def test_waiting_request_past_its_deadline_ends_with_an_error(harness, fake_clock) -> None:
+    h = harness(Admission(), max_running=2)
+    running = h.hold_after_admitting(generation("a", StopConditions(max_new_tokens=3)))
+    h.engine.configure(Admission(timeout_s=0.5), h.stats.append)
+    late = h.engine.submit(generation("b", n=2))  # waits: a holds one of the two slots
+    h.runner.open_gate()
+    late_finals = finals(late)
+    assert [(e.index, e.finish_reason) for e in late_finals] == [(0, FinishReason.ERROR), (1, FinishReason.ERROR)]
+    assert late_finals[0].error == "request timed out after 0.5 s (option.request_timeout)"
+    assert engine_module.is_timeout_error(late_finals[0].error)
+    assert finals(running)[0].finish_reason is FinishReason.LENGTH  # its own deadline is unlimited
+
+
+def test_running_request_past_its_deadline_frees_its_slot(harness, fake_clock) -> None:
+    h = harness(Admission(timeout_s=5))
+    overdue = h.engine.submit(generation("a"))  # 400 tokens; the clock passes 5 s after a few steps
+    events = list(overdue)
+    assert events[-1].finish_reason is FinishReason.ERROR and "timed out after 5 s" in events[-1].error
+    assert 0 < events[-1].num_generated_tokens < LONG.max_new_tokens
+    h.engine.configure(Admission(), h.stats.append)
+    assert finals(h.engine.submit(generation("b", StopConditions(max_new_tokens=2))))[0].finish_reason \
+        is FinishReason.LENGTH
+
+
+# ---- stats --------------------------------------------------------------------------------------------------
+
+def test_stats_report_running_waiting_and_settle_at_zero(harness) -> None:
+    h = harness(Admission(), max_running=1)
+    running = h.hold_after_admitting(generation("a", StopConditions(max_new_tokens=2)))
+    waiting = h.engine.submit(generation("b", StopConditions(max_new_tokens=2)))
+    h.runner.open_gate()
+    finals(running), finals(waiting)
+    wait_for(lambda: h.stats and h.stats[-1].num_running == 0 and h.stats[-1].num_waiting == 0)
+    stepped = [s for s in h.stats if s.batch_size]
+    assert any(s.num_running == 1 and s.num_waiting == 1 for s in h.stats)
+    assert all(s.batch_size == 1 for s in stepped)
+    assert sum(s.num_sampled for s in h.stats) >= 4   # a and b, 2 tokens each (plus the warm-up's)
+    assert any(s.kv_cache_used_bytes > 0 for s in stepped)
+    assert h.stats[-1].kv_cache_used_bytes == 0
+
+
+def wait_for(predicate, attempts: int = 300) -> None:
+    event = threading.Event()
+    for _ in range(attempts):
+        if predicate():
+            return
+        event.wait(0.05)
+    raise AssertionError("condition not reached")
+
+
+# ---- through the server -------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def app_for(tokenizer):
+    made = []
+
+    def make(h: Harness, settings: Settings):
+        service = types.SimpleNamespace(settings=settings, model_name="m", default_temperature=0.0,
+                                        renderer=PromptRenderer(tokenizer), engine=h.engine, user_handler=None,
+                                        is_ready=True, load_error=None)
+        made.append(server.create_app(service))
+        return made[-1].test_client()
+
+    return make
+
+
+def post(client, path: str, body: dict, **kwargs):
+    return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
+
+
+def counter(name: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_server_answers_a_full_queue_with_429_in_openai_shape(harness, app_for) -> None:
+    h = harness(Admission())
+    client = app_for(h, Settings(max_queue_size=1))            # create_app hands the engine its limits
+    h.runner.hold()
+    first = post(client, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 2}, buffered=False)
+    assert h.runner.waiting_at_gate.wait(30)
+    second = post(client, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 2}, buffered=False)
+    rejected_before = counter("llm_queue_rejections_total")
+    third = post(client, "/invocations", {**CHAT, "max_tokens": 2})
+    assert third.status_code == 429
+    assert third.get_json()["error"]["type"] == "rate_limit_error"
+    assert "option.max_queue_size" in third.get_json()["error"]["message"]
+    assert third.headers["X-Request-Id"].startswith("req-")
+    assert counter("llm_queue_rejections_total") == rejected_before + 1
+    h.runner.open_gate()
+    for response in (first, second):
+        assert response.get_data().endswith(b"data: [DONE]\n\n")
+        response.close()
+
+
+def test_server_answers_a_deadline_with_504_or_a_final_stream_record(harness, app_for, fake_clock) -> None:
+    h = harness(Admission())
+    client = app_for(h, Settings(request_timeout=5))
+    timeouts_before = counter("llm_request_timeouts_total")
+    response = post(client, "/invocations", {**CHAT, "max_tokens": 400, "ignore_eos": True})
+    assert response.status_code == 504
+    assert response.get_json()["error"] == {"message": "request timed out after 5 s (option.request_timeout)",
+                                            "type": "timeout_error", "param": None, "code": None}
+    legacy = post(client, "/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
+    assert legacy.status_code == 504 and legacy.get_json()["error_type"] == "timeout_error"
+    stream = post(client, "/invocations", {"inputs": "hi", "stream": True,
+                                           "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
+    last = json.loads(stream.get_data().decode().splitlines()[-1])
+    assert stream.status_code == 200 and last["token"]["id"] == -1 and "timed out after 5 s" in last["error"]
+    chat_stream = post(client, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 400,
+                                                        "ignore_eos": True})
+    frames = chat_stream.get_data().decode().split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""]
+    assert json.loads(frames[-3].removeprefix("data: "))["error"]["type"] == "timeout_error"
+    assert counter("llm_request_timeouts_total") == timeouts_before + 4
