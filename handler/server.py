@@ -124,7 +124,8 @@ class Routes:
             records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
             return stream_response(records, framing, handles, lambda e: legacy_format.error_line(e.message))
         try:
-            results = [legacy_format.generated(h, prompt, ctx) for h, prompt in zip(handles, parsed.prompts)]
+            pairs = zip(handles, parsed.prompts, strict=True)
+            results = [legacy_format.generated(h, prompt, ctx) for h, prompt in pairs]
         finally:
             for handle in handles:  # when one prompt failed, the others stop too
                 handle.cancel()

@@ -107,10 +107,9 @@ class ModelService:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         resolved = resolve(self.settings, torch.cuda.is_available())
-        tokenizer = load_tokenizer(self.settings.model_dir)
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                               self.engine.limits.max_running, self.engine.limits.max_model_len)
-        loaded = load(options, tokenizer)
+        loaded, tokenizer = load(options, lambda: load_tokenizer(self.settings.model_dir))
         self.renderer = PromptRenderer(tokenizer)
         log.info("loaded %s on %s (%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
                  ", int8 dynamic" if resolved.quantize else "", os.getpid())

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from handler.engine.engine import LoadedModel
 from handler.engine.model import DecoderModel
@@ -62,14 +65,44 @@ def chat_template_prefix(tokenizer) -> list[int]:
     return a[:common]
 
 
-def load(options: LoadOptions, tokenizer) -> LoadedModel:
+def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, object]:
+    """The model and its tokenizer. transformers' tokenizer (needed for the chat template) takes seconds to
+    import and load, so it loads on another thread while the weights load and quantise; calibration only needs
+    the fast tokenizer. Returns the loaded model and the transformers tokenizer."""
+    result: dict[str, object] = {}
+    loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
+                              name="tokenizer-load", daemon=True)
+    loader.start()
     device = torch.device(options.device)
     model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], device=device)
     if options.quantize:
-        stats = calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+        stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
         smooth_and_quantize(model, stats)
+    loader.join()
+    tokenizer = result["tokenizer"]
+    if isinstance(tokenizer, BaseException):
+        raise tokenizer
     runner = ModelRunner(model, options.max_running, options.max_model_len)
     runner.set_shared_prefix(chat_template_prefix(tokenizer))
-    return LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
-                       eos_token_ids=eos_token_ids(options.model_dir, tokenizer),
-                       special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size)
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
+                         eos_token_ids=eos_token_ids(options.model_dir, tokenizer),
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size)
+    return loaded, tokenizer
+
+
+def _capture(function: Callable[[], object]) -> object:
+    try:
+        return function()
+    except BaseException as error:  # re-raised on the loading thread
+        return error
+
+
+def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> list[int]:
+    """CALIBRATION_TEXT as token ids, from tokenizer.json directly when there is one."""
+    fast = model_dir / "tokenizer.json"
+    if fast.is_file():
+        return Tokenizer.from_file(str(fast)).encode(CALIBRATION_TEXT, add_special_tokens=False).ids
+    loader.join()
+    if isinstance(result["tokenizer"], BaseException):
+        raise result["tokenizer"]
+    return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)

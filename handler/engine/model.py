@@ -118,7 +118,8 @@ class DecoderModel:
         self.cos, self.sin = self._rotary_tables(config)
 
     def _dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
-        return DenseLinear(weight.to(self.device, self.dtype), None if bias is None else bias.to(self.device, self.dtype))
+        bias = None if bias is None else bias.to(self.device, self.dtype)
+        return DenseLinear(weight.to(self.device, self.dtype), bias)
 
     def _layer(self, state: dict[str, torch.Tensor], i: int, make) -> Layer:
         p = f"model.layers.{i}."
@@ -135,7 +136,18 @@ class DecoderModel:
         )
 
     def _rotary_tables(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for every position: ``[max_positions, head_dim]``, from transformers' own rotary module."""
+        """cos/sin for every position: ``[max_positions, head_dim]``.
+
+        Plain RoPE is computed here (importing transformers' model code costs a second of start-up); every scaled
+        variant comes from transformers' own rotary module."""
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+            dim = self.shape.head_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            freqs = torch.outer(torch.arange(self.shape.max_position_embeddings).float(), inv_freq)
+            table = torch.cat((freqs, freqs), dim=-1)
+            return table.cos().to(self.device, self.dtype), table.sin().to(self.device, self.dtype)
         from transformers import AutoConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -177,7 +189,7 @@ class DecoderModel:
             cache.write_decode(layer, k[:n], v[:n], layout.decode_positions)
             out[:n] = self._decode_attention(q[:n], layer, layout, cache)
         row = n
-        for (slot, start, length), mask in zip(layout.prefill_chunks, layout.prefill_masks):
+        for (slot, start, length), mask in zip(layout.prefill_chunks, layout.prefill_masks, strict=True):
             chunk = slice(row, row + length)
             cache.write_prefill(layer, slot, start, k[chunk], v[chunk])
             out[chunk] = self._prefill_attention(q[chunk], layer, slot, start + length, mask, cache)

@@ -80,7 +80,7 @@ def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]
     shape = model.shape
     v_start = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
     groups = shape.num_heads // shape.num_kv_heads
-    for layer, stat in zip(model.layers, stats):
+    for layer, stat in zip(model.layers, stats, strict=True):
         s = smoothing_factors(stat["qkv"], layer.qkv.weight)
         layer.input_norm = layer.input_norm / s
         qkv = layer.qkv.weight * s

@@ -53,7 +53,7 @@ def _apply_bias_and_penalties(logits: torch.Tensor, rows: list[RowState]) -> tor
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
-            ids, values = zip(*p.logit_bias)
+            ids, values = zip(*p.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(values, dtype=logits.dtype)
         if p.has_penalties:
             _penalise(logits[i], row)
@@ -118,4 +118,4 @@ def _top_logprobs(log_probs: torch.Tensor, rows: list[RowState]) -> list[list[tu
         return [[] for _ in rows]
     values, ids = log_probs.topk(wanted, dim=-1)
     values, ids = values.tolist(), ids.tolist()
-    return [list(zip(ids[i], values[i]))[: row.num_top_logprobs] for i, row in enumerate(rows)]
+    return [list(zip(ids[i], values[i], strict=True))[: row.num_top_logprobs] for i, row in enumerate(rows)]

@@ -25,7 +25,7 @@ def jsonlines(records: Iterable[dict]) -> Iterator[bytes]:
 
 def sse(records: Iterable[dict]) -> Iterator[bytes]:
     for record in records:
-        yield f"data: {dumps(record)}\n\n".encode("utf-8")
+        yield f"data: {dumps(record)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 

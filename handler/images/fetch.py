@@ -278,7 +278,7 @@ def _embedded_ipv4(ip: IPAddress) -> tuple[str, ipaddress.IPv4Address, bool] | N
     return None
 
 
-def _classify(ip: IPAddress) -> str | None:
+def _classify(ip: IPAddress) -> str | None:  # noqa: C901 (one flat rule per address class reads best)
     """The kind of non-public address ``ip`` is, or None. Order picks the most telling name."""
     if ip.is_unspecified:
         return "the unspecified address"

@@ -83,6 +83,7 @@ class LegacyRequest(BaseModel):
         stop = StopConditions(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                               stop_strings=p.stop_strings(), ignore_eos=p.ignore_eos)
         sampling = p.sampling_params()
-        return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(renderer.encode(prompt, add_special_tokens=True)),
+        return [GenerationRequest(request_id=new_request_id("gen"),
+                                  prompt_ids=tuple(renderer.encode(prompt, add_special_tokens=True)),
                                   sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0)
                 for prompt in self.prompts]

@@ -82,7 +82,7 @@ def loaded(tokenizer):
     from handler.engine.loader import LoadOptions, load
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, "cpu", max_running=8, max_model_len=MAX_MODEL_LEN)
-    return load(options, tokenizer)
+    return load(options, lambda: tokenizer)[0]
 
 
 @pytest.fixture(scope="module")

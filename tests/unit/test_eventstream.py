@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from pathlib import Path
 
 import botocore.session
 import pytest
 from botocore.eventstream import ChecksumMismatch, EventStream, EventStreamBuffer, EventStreamMessage
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
-
 
 from handler import eventstream  # noqa: E402
 
