@@ -228,6 +228,12 @@ def read_json() -> dict:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise BadRequest(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    try:  # JSON's "\ud800" escapes decode to lone surrogates: not text, and they break tokenizers and replies
+        dumps(body).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("the request body contains a lone UTF-16 surrogate (invalid Unicode)") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body

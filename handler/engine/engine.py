@@ -237,13 +237,34 @@ class Engine:
         sequences, logits = self._fork_completed_prompts(output)
         if not sequences:
             return
-        result = sample(logits, [s.row for s in sequences])
+        # sample() adjusts logits in place; keep the originals when a row's parameters could make it fail
+        plain = all(s.row.params.is_greedy and not s.row.params.logit_bias and not s.row.params.has_penalties
+                    for s in sequences)
+        original = None if plain else logits.clone()
+        try:
+            result = sample(logits, [s.row for s in sequences])
+        except Exception:  # find the rows that fail on their own; the rest of the batch goes on
+            log.exception("batched sampling failed; sampling row by row")
+            self._sample_one_by_one(sequences, logits if original is None else original)
+            return
         bad = set(result.bad_rows)
         for row, sequence in enumerate(sequences):
             if row in bad:
                 self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
             else:
                 self._append(sequence, result, row)
+
+    def _sample_one_by_one(self, sequences: list[Sequence], logits) -> None:
+        for row, sequence in enumerate(sequences):
+            try:
+                result = sample(logits[row:row + 1].clone(), [sequence.row])
+            except Exception as error:
+                self._finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
+                continue
+            if result.bad_rows:
+                self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
+            else:
+                self._append(sequence, result, 0)
 
     def _fork_completed_prompts(self, output: StepOutput) -> tuple[list[Sequence], object]:
         """A request with n > 1 prefilled its prompt once; its other choices start from a copy of that cache."""

@@ -87,7 +87,7 @@ def _apply_temperature_and_truncation(logits: torch.Tensor, rows: list[RowState]
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """top-k, top-p and min-p for a block of rows, with one sort. logits: ``[rows, vocab]``."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)

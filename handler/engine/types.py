@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 class FinishReason(enum.Enum):
     """Why a choice ended. Each schema's formatter picks its own wire string."""
@@ -36,7 +38,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing fp32 logits by the temperature overflows; the distribution is an argmax anyway.
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -89,7 +89,7 @@ class ChatCompletionRequest(BaseModel):
     # --- extensions (vLLM / LMI names) ---
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = False
 
     def to_generation_request(self, renderer: PromptRenderer, default_temperature: float) -> GenerationRequest:

@@ -225,3 +225,26 @@ def test_chunked_prefill_matches_unchunked(engine, loaded, renderer) -> None:
     assert chunked.finish.finish_reason is unchunked.finish.finish_reason
     assert_same_or_near_tie(unchunked, chunked)
     assert chunked.events[0].logprob == pytest.approx(unchunked.events[0].logprob, abs=1e-3)
+
+
+def test_a_row_whose_sampling_fails_ends_alone(engine, renderer, monkeypatch) -> None:
+    """A request whose sampling raises ends with an error event; its batch neighbour finishes normally."""
+    import handler.engine.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def failing_sample(logits, rows):
+        if any(row.params.seed == 666 for row in rows):
+            raise RuntimeError("probability tensor contains inf")
+        return real_sample(logits, rows)
+
+    monkeypatch.setattr(engine_module, "sample", failing_sample)
+    doomed = GenerationRequest("doomed", chat_ids(renderer, "Name a colour."),
+                               sampling=SamplingParams(temperature=1.0, seed=666),
+                               stop=StopConditions(max_new_tokens=8, ignore_eos=True))
+    healthy = greedy("healthy", chat_ids(renderer, "Name a fruit."), max_new_tokens=8, ignore_eos=True)
+    handles = [engine.submit(doomed), engine.submit(healthy)]
+    doomed_events, healthy_events = (list(h) for h in handles)
+    assert doomed_events[-1].finish_reason is FinishReason.ERROR and "sampling failed" in doomed_events[-1].error
+    assert healthy_events[-1].finish_reason is FinishReason.LENGTH
+    assert sum(e.token_id is not None for e in healthy_events) == 8
