@@ -227,14 +227,12 @@ def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, lev
              "latency p50/p95 (s) | RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
     for (stream, clients), row in sorted(ours.items()):
         b = base.get((stream, clients))
+        baseline = f"{b['tok_s']:.1f}" if b else "—"
         ratio = f"{row['tok_s'] / b['tok_s']:.1f}x" if b else "—"
         ttft = f"{row['ttft_p50'] * 1e3:.0f} / {row['ttft_p95'] * 1e3:.0f}" if stream else "—"
         itl = f"{row['itl_p50'] * 1e3:.0f} / {row['itl_p95'] * 1e3:.0f}" if stream else "—"
-        lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | "
-                     f"{b['tok_s']:.1f} | {ratio} | {ttft} | {itl} | {row['lat_p50']:.2f} / {row['lat_p95']:.2f} | "
-                     f"{row['rss_mb']:.0f} |" if b else
-                     f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | — | — | {ttft} | {itl} | "
-                     f"{row['lat_p50']:.2f} / {row['lat_p95']:.2f} | {row['rss_mb']:.0f} |")
+        lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | {baseline} | {ratio} | "
+                     f"{ttft} | {itl} | {row['lat_p50']:.2f} / {row['lat_p95']:.2f} | {row['rss_mb']:.0f} |")
     single = ours.get((False, 1), {}).get("tok_s")
     sixteen = ours.get((False, 16), {}).get("tok_s")
     if single and sixteen:
