@@ -12,6 +12,7 @@ engine reports ``EngineStats`` to one listener after its steps (metrics); it imp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -137,6 +138,7 @@ class Engine:
         """Queue a request; raises ``ServingError`` for one that cannot be served."""
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+        request = self.fit_prompt(request)
         self.validate(request)
         timeout = self._admission.timeout_s
         deadline = time.monotonic() + timeout if timeout is not None else math.inf
@@ -153,6 +155,15 @@ class Engine:
         if limit is not None and len(self._pending) >= limit:
             raise Overloaded(f"the server is busy: {len(self._pending)} requests are already waiting for a batch "
                              "slot (option.max_queue_size); retry later")
+
+    def fit_prompt(self, request: GenerationRequest) -> GenerationRequest:
+        """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one
+        token) fit the context (Databricks' ``error_behavior: truncate``)."""
+        limit = self.limits.max_model_len
+        reserve = min(request.stop.max_new_tokens or 1, limit - 1)
+        if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
+            return request
+        return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
 
     def validate(self, request: GenerationRequest) -> None:
         num_prompt = len(request.prompt_ids)

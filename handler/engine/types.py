@@ -70,6 +70,7 @@ class GenerationRequest:
     stop: StopConditions = field(default_factory=StopConditions)
     n: int = 1
     num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
+    truncate_prompt: bool = False       # too long for the context: keep the prompt's last tokens instead of refusing
 
 
 @dataclass(frozen=True, slots=True)

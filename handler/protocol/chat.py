@@ -91,6 +91,7 @@ class ChatCompletionRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = False
+    error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
 
     def to_generation_request(self, renderer: PromptRenderer, default_temperature: float) -> GenerationRequest:
         _check_stop(self.stop)
@@ -108,6 +109,7 @@ class ChatCompletionRequest(BaseModel):
                                 stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos),
             n=self.n,
             num_top_logprobs=self.top_logprobs or 0,
+            truncate_prompt=self.error_behavior == "truncate",
         )
 
     def sampling_params(self, default_temperature: float) -> SamplingParams:

@@ -7,6 +7,8 @@ those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
@@ -36,6 +38,8 @@ class LegacyParameters(BaseModel):
     details: bool = False
     top_n_tokens: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
+    truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
+    error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
 
     def sampling_params(self) -> SamplingParams:
         sampled = self.do_sample or self.temperature not in (None, 0.0) or self.top_p is not None or (
@@ -83,7 +87,12 @@ class LegacyRequest(BaseModel):
         stop = StopConditions(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                               stop_strings=p.stop_strings(), ignore_eos=p.ignore_eos)
         sampling = p.sampling_params()
-        return [GenerationRequest(request_id=new_request_id("gen"),
-                                  prompt_ids=tuple(renderer.encode(prompt, add_special_tokens=True)),
-                                  sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0)
+        return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=self._prompt_ids(renderer, prompt),
+                                  sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0,
+                                  truncate_prompt=p.error_behavior == "truncate")
                 for prompt in self.prompts]
+
+    def _prompt_ids(self, renderer: PromptRenderer, prompt: str) -> tuple[int, ...]:
+        ids = renderer.encode(prompt, add_special_tokens=True)
+        keep = self.parameters.truncate
+        return tuple(ids[-keep:] if keep else ids)

@@ -209,3 +209,4 @@ def test_prompt_longer_than_context_is_400_naming_lengths(url):
 def test_unknown_route_is_json_404(url):
     response = requests.get(f"{url}/nope", timeout=5)
     assert response.status_code == 404 and response.json()["error"]
+

@@ -343,3 +343,14 @@ def test_legacy_max_new_tokens_default_from_argument() -> None:
     assert parsed.to_generation_requests(FakeRenderer(), 77)[0].stop.max_new_tokens == 77
     parsed = legacy({"inputs": "x", "parameters": {"max_new_tokens": 3}})
     assert parsed.to_generation_requests(FakeRenderer(), 77)[0].stop.max_new_tokens == 3
+
+
+def test_fit_prompt_keeps_the_tail_and_room_to_generate() -> None:
+    from handler.engine.engine import Engine, EngineLimits
+
+    engine = Engine(lambda: None, EngineLimits(max_running=4, max_model_len=100, max_step_tokens=64))
+    request = GenerationRequest("r", tuple(range(500)), stop=StopConditions(max_new_tokens=10), truncate_prompt=True)
+    fitted = engine.fit_prompt(request)
+    assert fitted.prompt_ids == tuple(range(410, 500))
+    untouched = GenerationRequest("r", tuple(range(500)), stop=StopConditions(max_new_tokens=10))
+    assert engine.fit_prompt(untouched) is untouched
