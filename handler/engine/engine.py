@@ -258,12 +258,8 @@ class Engine:
             log.exception("batched sampling failed; sampling row by row")
             self._sample_one_by_one(sequences, logits if original is None else original)
             return
-        bad = set(result.bad_rows)
         for row, sequence in enumerate(sequences):
-            if row in bad:
-                self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
-            else:
-                self._append(sequence, result, row)
+            self._emit(sequence, result, row)
 
     def _sample_one_by_one(self, sequences: list[Sequence], logits) -> None:
         for row, sequence in enumerate(sequences):
@@ -272,10 +268,13 @@ class Engine:
             except Exception as error:
                 self._finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
                 continue
-            if result.bad_rows:
-                self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
-            else:
-                self._append(sequence, result, 0)
+            self._emit(sequence, result, 0)
+
+    def _emit(self, sequence: Sequence, result: SampleResult, row: int) -> None:
+        if row in result.bad_rows:
+            self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
+        else:
+            self._append(sequence, result, row)
 
     def _fork_completed_prompts(self, output: StepOutput) -> tuple[list[Sequence], object]:
         """A request with n > 1 prefilled its prompt once; its other choices start from a copy of that cache."""
@@ -330,10 +329,9 @@ class Engine:
             if move is not None:
                 self._loaded.runner.move(move)
         base = event or TokenEvent(index=sequence.index, token_id=None, text="")
-        sequence.request.events.put(TokenEvent(
-            index=base.index, token_id=base.token_id, text=base.text, logprob=base.logprob,
-            top_logprobs=base.top_logprobs, is_special=base.is_special, finish_reason=reason, error=error,
-            num_prompt_tokens=sequence.num_prompt_tokens, num_generated_tokens=len(sequence.output_ids)))
+        sequence.request.events.put(dataclasses.replace(
+            base, finish_reason=reason, error=error, num_prompt_tokens=sequence.num_prompt_tokens,
+            num_generated_tokens=len(sequence.output_ids)))
 
     def _drop_cancelled(self) -> None:
         for state in self._scheduler.take_cancelled_waiting():
