@@ -88,7 +88,7 @@ else
   # Every manylinux tag glibc 2.36 (bookworm) runs, newest first: pip before 24 does not widen
   # `--platform manylinux_2_28_x86_64` to the older tags itself (tokenizers, for one, is manylinux_2_17).
   target=(--only-binary=:all: --python-version 3.11 -d "$WHEELHOUSE")
-  for minor in $(seq 28 -1 5); do target+=(--platform "manylinux_2_${minor}_x86_64"); done
+  for minor in $(seq 36 -1 5); do target+=(--platform "manylinux_2_${minor}_x86_64"); done
   target+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
   # (grep drops the warnings this machine's pip configuration prints for each package its local index lacks)
   { "${pip[@]}" download --quiet "${target[@]}" -r requirements.txt 2>&1 \

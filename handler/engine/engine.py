@@ -22,13 +22,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler.engine.constraints import GrammarCompiler
 from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.runner import ModelRunner, StepOutput
 from handler.engine.sampler import RowState, SampleResult, sample
 from handler.engine.scheduler import Scheduler, StepPlan
 from handler.engine.sequence import RequestHandle, RequestState, Sequence, make_generator
 from handler.engine.types import FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
-from handler.errors import BadRequest, EngineError, NotReady, Overloaded
+from handler.errors import BadRequest, EngineError, NotReady, Overloaded, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class TrackedRequest(RequestState):
 
     deadline: float = math.inf         # time.monotonic() value
     is_expired: bool = False
+    matcher: object | None = None      # the request's compiled grammar, unadvanced; each choice advances a copy
 
     @property
     def is_waiting(self) -> bool:
@@ -88,6 +90,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
     vocab_size: int
+    grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
+    vision: object | None = None              # a vision-language model's VisionEncoder (used by the renderer)
 
 
 class Engine:
@@ -142,12 +146,20 @@ class Engine:
         self.validate(request)
         timeout = self._admission.timeout_s
         deadline = time.monotonic() + timeout if timeout is not None else math.inf
-        state = TrackedRequest(request, self._new_sequence, deadline=deadline)
+        matcher = self._compile_grammar(request)
+        state = TrackedRequest(request, self._new_sequence, deadline=deadline, matcher=matcher)
         with self._submit_lock:
             self._check_queue_room()
             self._pending.append(state)
             self._inbox.put(state)
         return RequestHandle(state, lambda: self._thread.is_alive())
+
+    def _compile_grammar(self, request: GenerationRequest):
+        if request.grammar is None:
+            return None
+        if self._loaded.grammar is None:
+            raise Unprocessable("this model cannot constrain its output", param=request.grammar.param)
+        return self._loaded.grammar.compile(request.grammar)
 
     def _check_queue_room(self) -> None:
         self._pending = [s for s in self._pending if s.is_waiting]
@@ -163,6 +175,9 @@ class Engine:
         reserve = min(request.stop.max_new_tokens or 1, limit - 1)
         if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
             return request
+        if request.prompt_embeds is not None:
+            raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
+                             "images", param="messages")
         return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
 
     def validate(self, request: GenerationRequest) -> None:
@@ -273,6 +288,8 @@ class Engine:
     def _emit(self, sequence: Sequence, result: SampleResult, row: int) -> None:
         if row in result.bad_rows:
             self._finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
+        elif row in result.blocked_rows:
+            self._finish(sequence, FinishReason.ERROR, error="the output grammar allows no further token")
         else:
             self._append(sequence, result, row)
 
@@ -300,8 +317,14 @@ class Engine:
         self._num_sampled += 1
         stop = sequence.request.request.stop
         is_eos = token_id in self._loaded.eos_token_ids and not stop.ignore_eos
+        matcher = sequence.row.matcher
+        if matcher is not None and not matcher.consume_token(token_id):
+            self._finish(sequence, FinishReason.ERROR, error=f"the output grammar refused token {token_id}")
+            return
         text, hit_stop_string = ("", False) if is_eos else sequence.detokenizer.push(token_id)
-        reason = self._finish_reason(sequence, token_id, is_eos, hit_stop_string)
+        # a grammar that is complete allows only EOS next: end the choice as if the model had sent it
+        is_complete = is_eos or (matcher is not None and matcher.is_stopped())
+        reason = self._finish_reason(sequence, token_id, is_complete, hit_stop_string)
         if reason is not None and reason is not FinishReason.STOP:
             text += sequence.detokenizer.flush()
         top = tuple(TopLogprob(t, lp) for t, lp in result.top_logprobs[row])
@@ -312,8 +335,8 @@ class Engine:
         else:
             self._finish(sequence, reason, event=event)
 
-    def _finish_reason(self, sequence: Sequence, token_id: int, is_eos: bool, hit_stop: bool) -> FinishReason | None:
-        if is_eos:
+    def _finish_reason(self, sequence: Sequence, token_id: int, is_end: bool, hit_stop: bool) -> FinishReason | None:
+        if is_end:
             return FinishReason.EOS
         if hit_stop or token_id in sequence.request.request.stop.stop_token_ids:
             return FinishReason.STOP
@@ -392,8 +415,9 @@ class Engine:
         request = state.request
         room = self.limits.max_model_len - len(request.prompt_ids)
         wanted = request.stop.max_new_tokens
+        matcher = getattr(state, "matcher", None)
         row = RowState(request.sampling, list(request.prompt_ids), [], make_generator(request.sampling.seed, index),
-                       request.num_top_logprobs)
+                       request.num_top_logprobs, matcher.deep_copy() if matcher is not None else None)
         detokenizer = IncrementalDetokenizer(self._loaded.tokenizer, request.stop.stop_strings)
         return Sequence(state, index, row, detokenizer, max_new_tokens=room if wanted is None else min(wanted, room))
 

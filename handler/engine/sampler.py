@@ -9,10 +9,11 @@ penalties, bias, temperature and truncation); for greedy rows that is the plain 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from handler.engine.constraints import allowed_tokens
 from handler.engine.types import SamplingParams
 
 
@@ -25,6 +26,7 @@ class RowState:
     output_ids: list[int]
     generator: torch.Generator | None
     num_top_logprobs: int
+    matcher: object | None = None   # llguidance.LLMatcher: the grammar this row's output must follow
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class SampleResult:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]   # per row, empty unless asked for
     bad_rows: list[int]                            # rows whose logits were not finite
+    blocked_rows: list[int] = field(default_factory=list)  # rows whose grammar allows no token at all
 
 
 @torch.inference_mode()
@@ -42,11 +45,12 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleResult:
     bad_rows = torch.nonzero(~torch.isfinite(logits).all(dim=-1)).flatten().tolist()
     if bad_rows:
         logits[bad_rows] = 0.0  # keep the rest of the batch going; those rows are ended by the engine
+    blocked_rows = _apply_grammars(logits, rows)
     logits = _apply_temperature_and_truncation(logits, rows)
     log_probs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
     token_ids = _choose(logits, log_probs, rows)
     chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
-    return SampleResult(token_ids.tolist(), chosen.tolist(), _top_logprobs(log_probs, rows), bad_rows)
+    return SampleResult(token_ids.tolist(), chosen.tolist(), _top_logprobs(log_probs, rows), bad_rows, blocked_rows)
 
 
 def _apply_bias_and_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
@@ -58,6 +62,20 @@ def _apply_bias_and_penalties(logits: torch.Tensor, rows: list[RowState]) -> tor
         if p.has_penalties:
             _penalise(logits[i], row)
     return logits
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[RowState]) -> list[int]:
+    """Tokens a row's grammar forbids get -inf; returns the rows whose grammar allows nothing (left unmasked so
+    the batch's arithmetic stays finite; the engine ends them)."""
+    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if not constrained:
+        return []
+    allowed = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])  # [constrained, vocab]
+    has_any = allowed.any(dim=-1)
+    keep = [i for i, ok in zip(constrained, has_any.tolist(), strict=True) if ok]
+    if keep:
+        logits[keep] = logits[keep].masked_fill(~allowed[has_any], float("-inf"))
+    return [i for i, ok in zip(constrained, has_any.tolist(), strict=True) if not ok]
 
 
 def _penalise(row_logits: torch.Tensor, row: RowState) -> None:

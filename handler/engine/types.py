@@ -61,6 +61,24 @@ class StopConditions:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the output: every choice is a sentence of this grammar (constrained decoding)."""
+
+    kind: str        # "json_schema" (source: the schema as JSON text) or "lark" (llguidance's Lark dialect)
+    source: str
+    param: str       # the request field it came from, for error messages
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEmbeds:
+    """Input embeddings that replace the token embeddings at some prompt positions: a vision model's image
+    features at its image-token positions."""
+
+    positions: tuple[int, ...]
+    values: object                   # torch.Tensor [len(positions), hidden], in the model's dtype
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One prompt to complete, ``n`` times, with everything the engine needs to do it."""
 
@@ -71,6 +89,8 @@ class GenerationRequest:
     n: int = 1
     num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
     truncate_prompt: bool = False       # too long for the context: keep the prompt's last tokens instead of refusing
+    grammar: GrammarSpec | None = None  # constrained decoding (response_format, forced tool calls)
+    prompt_embeds: PromptEmbeds | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from handler.config import DEFAULT_MODEL_DIR
-from handler.engine.engine import Engine, EngineLimits, wait_until_ready
 from handler.engine.types import FinishReason, GenerationRequest, SamplingParams, StopConditions, TokenEvent
 from handler.tokenization import PromptRenderer
+from tests.integration.conftest import make_engine
 
-MAX_MODEL_LEN = 512
 NEAR_TIE = 0.05
 
 PROMPTS = [
@@ -49,47 +46,6 @@ def collect(handle) -> dict[int, Choice]:
         if event.finish_reason is not None:
             choice.finish = event
     return choices
-
-
-def make_engine(loaded, max_step_tokens: int) -> Engine:
-    engine = Engine(lambda: loaded,
-                    EngineLimits(max_running=8, max_model_len=MAX_MODEL_LEN, max_step_tokens=max_step_tokens))
-    engine.start()
-    wait_until_ready(engine, timeout=120)
-    return engine
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip("the embedded model is not assembled (make model)")
-    import torch
-
-    torch.set_num_threads(2)
-    from handler.engine.loader import load_tokenizer
-
-    return load_tokenizer(Path(DEFAULT_MODEL_DIR))
-
-
-@pytest.fixture(scope="module")
-def renderer(tokenizer) -> PromptRenderer:
-    return PromptRenderer(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def loaded(tokenizer):
-    """The model, loaded once; engines take turns with it (only one of them runs at a time in these tests)."""
-    from handler.engine.loader import LoadOptions, load
-
-    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, "cpu", max_running=8, max_model_len=MAX_MODEL_LEN)
-    return load(options, lambda: tokenizer)[0]
-
-
-@pytest.fixture(scope="module")
-def engine(loaded):
-    engine = make_engine(loaded, max_step_tokens=512)
-    yield engine
-    engine.stop()
 
 
 def chat_ids(renderer: PromptRenderer, text: str) -> tuple[int, ...]:

@@ -1,0 +1,103 @@
+"""Per-token cost of constrained decoding with llguidance and xgrammar on this machine (issue #5's choice).
+
+For a JSON schema and a valid answer to it, each library compiles the grammar, then for every token of the answer
+computes the next-token mask, applies it to a logits row and accepts the token: the work the engine adds per step
+to a constrained row. Run: ``python -m bench.grammar_overhead`` (xgrammar is optional: it is not a dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = Path("model_store/smollm2-135m-instruct")
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "email": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "email", "tags", "address"],
+    "additionalProperties": False,
+}
+ANSWER = json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.com",
+                     "tags": ["math", "poetry", "engines"], "address": {"city": "London", "zip": "W1"}})
+
+
+def run_llguidance(tokenizer, ids: list[int], vocab: int) -> tuple[float, list[float]]:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as llt
+
+    start = time.perf_counter()
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    tokenizer_s = time.perf_counter() - start
+    start = time.perf_counter()
+    matcher = llguidance.LLMatcher(ll_tokenizer, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA))
+    compile_s = time.perf_counter() - start
+    bitmask = llt.allocate_token_bitmask(1, vocab)
+    logits = torch.zeros(1, vocab)
+    per_token = []
+    for token in ids:
+        start = time.perf_counter()
+        llt.fill_next_token_bitmask(matcher, bitmask, 0)
+        llt.apply_token_bitmask_inplace(logits, bitmask)
+        assert matcher.consume_token(token), matcher.get_error()
+        per_token.append(time.perf_counter() - start)
+    assert matcher.is_accepting()
+    return tokenizer_s, compile_s, per_token
+
+
+def run_xgrammar(tokenizer, ids: list[int], vocab: int) -> tuple[float, list[float]]:
+    import xgrammar as xgr
+
+    start = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiler = xgr.GrammarCompiler(info)
+    tokenizer_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA))
+    matcher = xgr.GrammarMatcher(compiled)
+    compile_s = time.perf_counter() - start
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    logits = torch.zeros(1, vocab)
+    per_token = []
+    for token in ids:
+        start = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        assert matcher.accept_token(token)
+        per_token.append(time.perf_counter() - start)
+    return tokenizer_s, compile_s, per_token
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    vocab = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
+    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    print(f"schema answer: {len(ids)} tokens, vocab {vocab}")
+    for name, run in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+        try:
+            tokenizer_s, compile_s, per_token = run(tokenizer, ids, vocab)
+        except ImportError:
+            print(f"{name:<11} not installed")
+            continue
+        per_token_us = [t * 1e6 for t in per_token]
+        print(f"{name:<11} tokenizer {tokenizer_s * 1e3:7.1f} ms  compile {compile_s * 1e3:7.1f} ms  "
+              f"per token mean {statistics.mean(per_token_us):7.1f} us  p50 {statistics.median(per_token_us):7.1f} us  "
+              f"max {max(per_token_us):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

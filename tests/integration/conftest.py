@@ -1,0 +1,63 @@
+"""Fixtures shared by the engine tests: the embedded model (fp32, not quantised), loaded once per module."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from handler.config import DEFAULT_MODEL_DIR
+from handler.engine.engine import Engine, EngineLimits, wait_until_ready
+from handler.engine.runner import ModelRunner
+from handler.tokenization import PromptRenderer
+
+MAX_MODEL_LEN = 512
+
+
+def make_engine(loaded, max_step_tokens: int) -> Engine:
+    """An engine over the shared weights with a runner (KV cache) of its own: an engine frees its cache on its
+    own thread after its last event, which must not land in another engine's step."""
+    runner = ModelRunner(loaded.runner.model, 8, MAX_MODEL_LEN)
+    runner.prefix_ids, runner.prefix_kv = loaded.runner.prefix_ids, loaded.runner.prefix_kv
+    own = dataclasses.replace(loaded, runner=runner)
+    engine = Engine(lambda: own,
+                    EngineLimits(max_running=8, max_model_len=MAX_MODEL_LEN, max_step_tokens=max_step_tokens))
+    engine.start()
+    wait_until_ready(engine, timeout=120)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("the embedded model is not assembled (make model)")
+    import torch
+
+    torch.set_num_threads(2)
+    from handler.engine.loader import load_tokenizer
+
+    return load_tokenizer(Path(DEFAULT_MODEL_DIR))
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer) -> PromptRenderer:
+    return PromptRenderer(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def loaded(tokenizer):
+    """The model, loaded once; engines take turns with it (only one of them runs at a time in these tests)."""
+    from handler.engine.loader import LoadOptions, load
+
+    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, "cpu", max_running=8, max_model_len=MAX_MODEL_LEN)
+    return load(options, lambda: tokenizer)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    engine = make_engine(loaded, max_step_tokens=512)
+    yield engine
+    engine.stop()
+
+
