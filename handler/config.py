@@ -59,6 +59,22 @@ class Settings(BaseModel):
     log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
     log_prompts: bool = False                               # put the prompt in each request's log line
     entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module
+    # Tool calls: the format the model writes them in (vLLM's --tool-call-parser); auto: detected from the template
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # Images in chat requests (vision models): URL fetching and its limits; data: URIs and base64 always work
+    image_fetch_enabled: bool = True
+    image_fetch_allowed_hosts: tuple[str, ...] = ()         # comma-separated; exempt from the public-address rule
+    image_fetch_timeout: float = Field(10.0, gt=0)          # seconds per connect/read
+    image_max_bytes: int = Field(20 * 1024 * 1024, ge=1)    # encoded size, enforced while downloading
+    image_max_pixels: int = Field(40_000_000, ge=1)         # width x height, checked before decoding
+    max_images_per_request: int = Field(8, ge=1)
+
+    @field_validator("image_fetch_allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(host.strip() for host in value.split(",") if host.strip())
+        return value
 
     @field_validator("dtype")
     @classmethod

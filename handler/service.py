@@ -13,6 +13,7 @@ from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
 from handler.engine.engine import Engine, EngineLimits, LoadedModel
 from handler.errors import ConfigError
+from handler.multimodal import VisionRenderer, image_loader
 from handler.tokenization import PromptRenderer
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
 
 def engine_limits(settings: Settings) -> EngineLimits:
     config = json.loads((settings.model_dir / "config.json").read_text())
+    if "vision_config" in config:  # a vision-language model: its language model sets the context
+        from handler.engine.vision import text_config
+
+        config = text_config(config)
     model_max = config.get("max_position_embeddings") or _DEFAULT_CONTEXT_CAP
     max_len = settings.max_model_len or min(model_max, _DEFAULT_CONTEXT_CAP)
     if max_len > model_max:
@@ -110,7 +115,14 @@ class ModelService:
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                               self.engine.limits.max_running, self.engine.limits.max_model_len)
         loaded, tokenizer = load(options, lambda: load_tokenizer(self.settings.model_dir))
-        self.renderer = PromptRenderer(tokenizer)
-        log.info("loaded %s on %s (%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
-                 ", int8 dynamic" if resolved.quantize else "", os.getpid())
+        self.renderer = self._renderer(tokenizer, loaded.vision)
+        log.info("loaded %s on %s (%s%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
+                 ", int8 dynamic" if resolved.quantize else "", ", vision" if loaded.vision else "", os.getpid())
         return loaded
+
+    def _renderer(self, tokenizer, encoder) -> PromptRenderer:
+        settings = self.settings
+        if encoder is None:
+            return PromptRenderer(tokenizer, settings.tool_call_parser)
+        return VisionRenderer(tokenizer, settings.tool_call_parser, encoder, image_loader(settings),
+                              settings.max_images_per_request)

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from handler.engine import vision
+from handler.engine.constraints import GrammarCompiler
 from handler.engine.engine import LoadedModel
-from handler.engine.model import DecoderModel
+from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.runner import ModelRunner
 
@@ -74,7 +76,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
                               name="tokenizer-load", daemon=True)
     loader.start()
     device = torch.device(options.device)
-    model = DecoderModel(options.model_dir, dtype=DTYPES[options.dtype], device=device)
+    model, encoder = _load_model(options.model_dir, DTYPES[options.dtype], device)
     if options.quantize:
         stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
         smooth_and_quantize(model, stats)
@@ -83,11 +85,24 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     if isinstance(tokenizer, BaseException):
         raise tokenizer
     runner = ModelRunner(model, options.max_running, options.max_model_len)
-    runner.set_shared_prefix(chat_template_prefix(tokenizer))
-    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer,
-                         eos_token_ids=eos_token_ids(options.model_dir, tokenizer),
-                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size)
+    if encoder is None:  # a vision model's template renders through its processor
+        runner.set_shared_prefix(chat_template_prefix(tokenizer))
+    eos_ids = eos_token_ids(options.model_dir, tokenizer)
+    grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
+                         grammar=grammar, vision=encoder)
     return loaded, tokenizer
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, object | None]:
+    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``)."""
+    config = read_config(model_dir)
+    if not vision.is_vision_model(config):
+        return DecoderModel(model_dir, dtype=dtype, device=device), None
+    model = DecoderModel(model_dir, dtype=dtype, device=device, config=vision.text_config(config),
+                         state=vision.text_state_dict(load_state_dict(model_dir), config))
+    return model, vision.VisionEncoder.load(model_dir, dtype, device)
 
 
 def _capture(function: Callable[[], object]) -> object:

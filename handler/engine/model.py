@@ -104,11 +104,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 class DecoderModel:
     """Llama-family forward over a flat batch with a slot-based KV cache."""
 
-    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
-        config = read_config(model_dir)
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, config: dict | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+        """``config`` and ``state`` default to the folder's own; a vision-language model passes its language
+        model's config and tensors, renamed to Llama keys (``handler.engine.vision``)."""
+        config = read_config(model_dir) if config is None else config
         self.shape = shape_from_config(config)
         self.dtype, self.device = dtype, device
-        state = load_state_dict(model_dir)
+        state = load_state_dict(model_dir) if state is None else state
         make = self._dense  # handler.engine.quantize swaps in int8 layers after calibration
         self.embed = state["model.embed_tokens.weight"].to(device, dtype)
         self.layers = [self._layer(state, i, make) for i in range(self.shape.num_layers)]
@@ -164,9 +167,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout, cache: KVCache,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]``."""
+                logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]``.
+
+        ``embeds``: ``(rows [k], values [k, hidden])``, input embeddings that replace the token embeddings of
+        those rows (a vision model's image features at its image-token positions)."""
         x = F.embedding(tokens, self.embed)  # [rows, hidden]
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [rows, 1, head_dim]
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,9 @@ class ModelRunner:
                 logit_rows.append(row)
                 sequences.append(sequence)
         row = len(tokens)
+        embeds = []
         for sequence, start, length in plan.prefill:
+            embeds += _chunk_embeds(sequence, start, length, row)
             tokens.extend(sequence.prompt_ids[start:start + length])
             positions.extend(range(start, start + length))
             chunks.append((sequence.slot, start, length))
@@ -72,7 +75,8 @@ class ModelRunner:
         device = self.model.device
         layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device)
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                    layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device))
+                                    layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device),
+                                    _join_embeds(embeds, device))
         self._advance(plan)
         return StepOutput(sequences, logits.cpu())
 
@@ -94,3 +98,23 @@ class ModelRunner:
 
     def release(self) -> None:
         self.cache.release()
+
+
+def _chunk_embeds(sequence: Sequence, start: int, length: int, first_row: int) -> list[tuple[list[int], torch.Tensor]]:
+    """The flat-batch rows and values of a prompt's input embeddings that fall in this prefill chunk."""
+    embeds = sequence.request.request.prompt_embeds
+    if embeds is None:
+        return []
+    lo, hi = bisect.bisect_left(embeds.positions, start), bisect.bisect_left(embeds.positions, start + length)
+    if lo == hi:
+        return []
+    rows = [first_row + p - start for p in embeds.positions[lo:hi]]
+    return [(rows, embeds.values[lo:hi])]
+
+
+def _join_embeds(embeds: list[tuple[list[int], torch.Tensor]], device: torch.device) -> tuple | None:
+    if not embeds:
+        return None
+    rows = [r for chunk_rows, _values in embeds for r in chunk_rows]
+    values = torch.cat([values for _rows, values in embeds]).to(device)
+    return torch.tensor(rows, dtype=torch.long, device=device), values

@@ -114,7 +114,9 @@ def fetch_image_bytes(url: str, policy: FetchPolicy, *, param: str = "url") -> b
         url = urljoin(url, location)
     host = _split(url, param).hostname or ""
     raise BadRequest(
-        f"image URL host '{host}': more than {policy.max_redirects} redirects; refused", param=param
+        f"image URL host '{host}': more than {policy.max_redirects} redirects; refused",
+        param=param,
+        code="too_many_redirects",
     )
 
 
@@ -126,11 +128,14 @@ def _check_url(url: str, policy: FetchPolicy, param: str) -> _Target:
     parts = _split(url, param)
     host = parts.hostname or ""
     if not policy.enabled:
-        raise BadRequest(f"image URL fetching is disabled; refused URL for host '{host}'", param=param)
+        raise BadRequest(
+            f"image URL fetching is disabled; refused URL for host '{host}'", param=param, code="fetch_disabled"
+        )
     if parts.scheme not in _SCHEMES:
         raise BadRequest(
             f"image URL host '{host}': scheme '{parts.scheme}' is not allowed (only http and https); refused",
             param=param,
+            code="scheme",
         )
     if not host:
         raise BadRequest("image URL has no host; refused", param=param)
@@ -188,9 +193,9 @@ def _resolve(host: str, port: int, param: str) -> tuple[AddrInfo, ...]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as exc:
-        raise BadRequest(f"could not resolve image URL host '{host}': {exc}", param=param) from exc
+        raise BadRequest(f"could not resolve image URL host '{host}': {exc}", param=param, code="dns") from exc
     if not infos:
-        raise BadRequest(f"could not resolve image URL host '{host}': no addresses", param=param)
+        raise BadRequest(f"could not resolve image URL host '{host}': no addresses", param=param, code="dns")
     return tuple((family, type_, proto, sockaddr) for family, type_, proto, _, sockaddr in infos)
 
 
@@ -229,12 +234,14 @@ def _check_addresses(host: str, addresses: tuple[AddrInfo, ...], policy: FetchPo
             ip = ipaddress.ip_address(sockaddr[0])
         except ValueError:
             message = f"image URL host '{host}' resolves to {sockaddr[0]!r}, not an IP address; refused"
-            raise BadRequest(message, param=param) from None
+            raise BadRequest(message, param=param, code="dns") from None
         if _host_key(str(ip)) in allowed:
             continue
         problem = _address_problem(ip)
         if problem is not None:
-            raise BadRequest(f"image URL host '{host}' resolves to {problem}; refused", param=param)
+            raise BadRequest(
+                f"image URL host '{host}' resolves to {problem}; refused", param=param, code="blocked_address"
+            )
 
 
 def _host_key(entry: str) -> str:
@@ -400,10 +407,14 @@ def _fetch_one(target: _Target, policy: FetchPolicy, clock: _Clock, param: str) 
                     f"image URL host '{target.host}' answered HTTP {resp.status} {resp.reason}; "
                     "could not fetch the image",
                     param=param,
+                    code="http_status",
                 )
             return None, _read_body(resp, policy, target.host, param)
     except (OSError, http.client.HTTPException) as exc:
-        raise BadRequest(f"could not fetch image from host '{target.host}': {_describe(exc)}", param=param) from exc
+        reason = "timeout" if isinstance(exc, TimeoutError) else "connection"
+        raise BadRequest(
+            f"could not fetch image from host '{target.host}': {_describe(exc)}", param=param, code=reason
+        ) from exc
     finally:
         if conn is not None:
             conn.close()
@@ -423,13 +434,16 @@ def _read_body(resp: http.client.HTTPResponse, policy: FetchPolicy, host: str, p
             f"image from host '{host}' is {resp.length} bytes (Content-Length), over the limit of "
             f"{policy.max_bytes} bytes; refused",
             param=param,
+            code="too_large",
         )
     body = bytearray()
     while chunk := resp.read1(min(_CHUNK, policy.max_bytes + 1 - len(body))):
         body += chunk
         if len(body) > policy.max_bytes:
             raise BadRequest(
-                f"image from host '{host}' is over the limit of {policy.max_bytes} bytes; refused", param=param
+                f"image from host '{host}' is over the limit of {policy.max_bytes} bytes; refused",
+                param=param,
+                code="too_large",
             )
     if resp.length:  # the server closed before sending all it announced
         raise http.client.IncompleteRead(bytes(body), resp.length)

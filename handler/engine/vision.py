@@ -1,0 +1,279 @@
+"""Vision inputs for vision-language models (VLMs): images -> embeddings for the image-token positions of a prompt.
+
+A VLM here is split in two. This module keeps the checkpoint's own processor (chat template, image resizing and
+tiling, image-token expansion) and its own vision tower + connector, run by transformers' code
+(``get_image_features``). The language model is the lean ``DecoderModel``, built from ``text_config`` and
+``text_state_dict``, which takes the returned embeddings in place of the image tokens' embeddings. Only the vision
+tower and connector are materialised here: the HF model is built with empty (meta) parameters and only the vision
+tensors are read from the checkpoint, so no second copy of the language model exists.
+
+Supported ``model_type`` values (``SUPPORTED_VISION_TYPES``), each checked against transformers' full forward by
+``tests/integration/test_vision.py`` on a tiny random checkpoint:
+
+- ``idefics3``: Idefics3 and SmolVLM v1 (SmolVLM-256M/500M/2.2B-Instruct are saved as idefics3): SigLIP tower,
+  pixel-shuffle connector, Llama text model. With image splitting on, an image is resized so its longest edge is
+  the processor's ``size["longest_edge"]`` (small images are scaled up), cut into square tiles plus one global
+  view, and each tile costs ``image_seq_len`` image tokens: the count depends on the aspect ratio, not the size.
+  The processor outputs ``pixel_attention_mask`` besides ``pixel_values``.
+- ``llava``: LLaVA-1.5 style (CLIP tower, MLP projector, Llama/Mistral/Qwen2 text model): one fixed-size view per
+  image, a fixed number of image tokens in one run.
+
+The language model must be one ``model.py`` runs (llama, mistral, qwen2) with plain 1-D positions. Refused:
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions, M-RoPE: 3-D position ids); ``smolvlm`` (SmolVLM2:
+the idefics3 layout, but its processor also builds a video processor that needs torchvision, and needs num2words,
+neither of which the container installs: untested); every other VLM.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from handler.engine.model import SUPPORTED_MODEL_TYPES, read_config
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """Where one VLM family keeps its parts, in the HF base model and in its checkpoints."""
+
+    text_module: str  # the base model's language model: never materialised here
+    text_prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> Llama prefix, first match wins
+    vision_prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> path in the base model
+    image_inputs: tuple[str, ...]  # processor outputs get_image_features takes besides pixel_values
+
+
+_IDEFICS3 = Architecture(
+    text_module="text_model",
+    text_prefixes=(("model.text_model.", "model."), ("lm_head.", "lm_head.")),
+    vision_prefixes=(("model.vision_model.", "vision_model."), ("model.connector.", "connector.")),
+    image_inputs=("pixel_attention_mask",),
+)
+# transformers 5 saves model.language_model.* / model.vision_tower.*; older LLaVA checkpoints have no "model." root
+_LLAVA = Architecture(
+    text_module="language_model",
+    text_prefixes=(
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    ),
+    vision_prefixes=(
+        ("model.vision_tower.", "vision_tower."),
+        ("vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("multi_modal_projector.", "multi_modal_projector."),
+    ),
+    image_inputs=("image_sizes",),
+)
+ARCHITECTURES = {"idefics3": _IDEFICS3, "llava": _LLAVA}
+SUPPORTED_VISION_TYPES = tuple(ARCHITECTURES)
+_MROPE = "its language model takes multimodal rotary positions (M-RoPE, 3-D position ids), which model.py lacks"
+_REFUSED = {
+    "qwen2_vl": _MROPE,
+    "qwen2_5_vl": _MROPE,
+    "qwen3_vl": _MROPE,
+    "qwen3_vl_moe": _MROPE,
+    "smolvlm": "its processor needs torchvision (for video) and num2words, which this container does not install",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalPrompt:
+    """A rendered chat prompt with its images encoded. ``embeddings[i]`` replaces the token embedding at
+    ``prompt_ids[image_positions[i]]``; positions are ascending, in runs (one or more per image) between text."""
+
+    prompt_ids: list[int]
+    image_positions: list[int]
+    embeddings: torch.Tensor  # [len(image_positions), text_hidden], the text dtype
+
+    def chunk_embeds(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image embeddings of prompt positions ``[start, start + length)``, one prefill chunk: offsets from
+        ``start`` ``[k]`` and values ``[k, hidden]``. An image may span chunks; add the chunk's first row in the
+        flat batch to the offsets to get ``DecoderModel.forward``'s ``embeds`` rows."""
+        first = bisect_left(self.image_positions, start)
+        end = bisect_left(self.image_positions, start + length)
+        offsets = torch.tensor(self.image_positions[first:end], dtype=torch.long) - start
+        return offsets, self.embeddings[first:end]
+
+
+def is_vision_model(config: dict) -> bool:
+    """Whether a config.json describes a VLM (supported or not: ``text_config`` refuses the others)."""
+    model_type = config.get("model_type")
+    return "vision_config" in config or model_type in ARCHITECTURES or model_type in _REFUSED
+
+
+def architecture(config: dict) -> Architecture:
+    """The supported architecture a VLM config.json names; ValueError saying why for any other."""
+    model_type = config.get("model_type")
+    if model_type in _REFUSED:
+        raise ValueError(f"vision model type {model_type!r} is not supported: {_REFUSED[model_type]}")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"vision model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_VISION_TYPES)}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config as one flat dict for ``DecoderModel``: transformers' own config class fills
+    what the checkpoint leaves to defaults. ``tie_word_embeddings`` is the one the full model obeys (top level)."""
+    architecture(config)
+    from transformers import CONFIG_MAPPING
+
+    full = CONFIG_MAPPING[config["model_type"]].from_dict(config)  # as from_pretrained reads config.json
+    text = full.get_text_config(decoder=True).to_dict()
+    if text.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config['model_type']} with a {text.get('model_type')!r} language model is not supported; "
+            f"the language model must be one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    text["tie_word_embeddings"] = bool(getattr(full, "tie_word_embeddings", False))
+    return text
+
+
+def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The language model's tensors under Llama names (``model.embed_tokens.weight``, ``model.layers.{i}.*``,
+    ``model.norm.weight``, ``lm_head.weight``); the tensors are shared, not copied."""
+    prefixes = architecture(config).text_prefixes
+    renamed = {}
+    for key, tensor in state.items():
+        name = _renamed(key, prefixes)
+        if name is not None:
+            renamed[name] = tensor
+    if "model.embed_tokens.weight" not in renamed:
+        raise ValueError(f"no language-model tensors under {[old for old, _ in prefixes]} in the checkpoint")
+    if text_config(config)["tie_word_embeddings"] or "lm_head.weight" not in renamed:
+        renamed["lm_head.weight"] = renamed["model.embed_tokens.weight"]
+    return renamed
+
+
+def _renamed(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    for old, new in prefixes:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return None
+
+
+class VisionEncoder:
+    """A VLM checkpoint's processor, vision tower and connector: chat messages and images in, the prompt's token ids
+    and its image-token embeddings out. ``encode`` keeps no state and only reads the modules, so threads may call
+    it at once (each call's tensors are its own; torch ops release the GIL)."""
+
+    def __init__(
+        self,
+        processor,
+        model: torch.nn.Module,
+        image_token_id: int,
+        image_inputs: tuple[str, ...],
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.processor = processor
+        self.model = model  # the HF base model, its language model removed
+        self._image_token_id = image_token_id
+        self.image_inputs = image_inputs
+        self.hidden_size = hidden_size
+        self.dtype, self.device = dtype, device
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
+        """The processor and the vision tower + connector in ``dtype``, which is also the embeddings' dtype. On a
+        CPU without bf16 matrix units (no AVX512-BF16/AMX) prefer float32 here whatever the text model's dtype:
+        a SmolVLM-256M-sized tower took 40 s per 512-pixel tile in bf16 against 8 s in fp32 on 2 cores."""
+        from transformers import AutoConfig, AutoProcessor
+
+        arch = architecture(read_config(model_dir))
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        image_token_id = config.image_token_id
+        if getattr(processor, "image_token_id", image_token_id) != image_token_id:
+            raise ValueError(
+                f"{model_dir}: the processor's image token id {processor.image_token_id} differs from "
+                f"the config's {image_token_id}"
+            )
+        model = _load_vision_model(model_dir, config, arch, dtype, device)
+        hidden_size = config.get_text_config(decoder=True).hidden_size
+        return cls(processor, model, image_token_id, arch.image_inputs, hidden_size, dtype, device)
+
+    @property
+    def image_token_id(self) -> int:
+        return self._image_token_id
+
+    def encode(self, messages: list[dict], images: list[Image.Image]) -> MultimodalPrompt:
+        """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
+        generation prompt, expand the image tokens, and encode the images. ValueError when the image parts, the
+        image tokens (a text part may spell one out) and the images do not agree."""
+        num_parts = sum(_count_image_parts(message.get("content")) for message in messages)
+        if num_parts != len(images):
+            raise ValueError(f"the messages have {num_parts} image parts but {len(images)} images were given")
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:  # the template already holds the special tokens; the processor checks image tokens against images
+            inputs = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+        except ValueError as error:  # e.g. a text part spelling out the image token itself
+            raise ValueError(f"the prompt does not match its images: {error}") from error
+        prompt_ids = inputs["input_ids"][0]
+        positions = (prompt_ids == self._image_token_id).nonzero().flatten()
+        embeddings = self._image_features(inputs) if images else torch.empty(0, self.hidden_size, dtype=self.dtype)
+        if len(positions) != embeddings.shape[0]:
+            raise ValueError(
+                f"the prompt has {len(positions)} image tokens but the images gave {embeddings.shape[0]} feature rows"
+            )
+        return MultimodalPrompt(prompt_ids.tolist(), positions.tolist(), embeddings)
+
+    def _image_features(self, inputs) -> torch.Tensor:
+        """The vision tower + connector on the processor's outputs: ``[num_image_tokens, text_hidden]``."""
+        pixel_values = inputs["pixel_values"].to(self.device, self.dtype)
+        extra = {name: inputs[name].to(self.device) for name in self.image_inputs if name in inputs}
+        with torch.inference_mode():
+            features = self.model.get_image_features(pixel_values=pixel_values, **extra).pooler_output
+        # pooler_output: one [tokens, hidden] tensor per image (LLaVA) or per prompt (Idefics3), in prompt order
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]).to(self.dtype)
+
+
+def _count_image_parts(content: object) -> int:
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+
+
+def _load_vision_model(
+    model_dir: Path, config, arch: Architecture, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The HF base model with only its vision tower and connector: parameters built empty (meta), the language
+    model dropped before anything of it is allocated, then the vision tensors read from the checkpoint. Buffers are
+    built for real (they are computed, e.g. position ids, and not stored in checkpoints)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModel
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModel.from_config(config)
+    setattr(model, arch.text_module, None)
+    model.load_state_dict(_read_tensors(model_dir, arch.vision_prefixes, dtype), strict=False, assign=True)
+    missing = [name for name, param in model.named_parameters() if param.is_meta]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
+    return model.to(device).eval()
+
+
+def _read_tensors(model_dir: Path, prefixes: tuple[tuple[str, str], ...], dtype: torch.dtype) -> dict:
+    """The tensors under ``prefixes`` from every safetensors file, renamed, floats cast to ``dtype``; copied out of
+    the file mapping so that none keeps the file resident."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    tensors = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                name = _renamed(key, prefixes)
+                if name is None:
+                    continue
+                tensor = handle.get_tensor(key)
+                tensors[name] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+    return tensors

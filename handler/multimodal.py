@@ -1,0 +1,78 @@
+"""Chat prompts for vision-language models: image references -> RGB images -> the model's processor and vision
+tower -> token ids plus the image embeddings the engine puts at the image tokens' positions.
+
+Images are fetched (SSRF rules in ``handler.images.fetch``), decoded and encoded on the request's own thread, so
+a slow URL or a large image never holds up the engine's batch; the encoded prompt then joins the batch like any
+other. Every failure names the message and part it came from (``messages[i].content[j]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from handler import metrics
+from handler.config import Settings
+from handler.engine.types import PromptEmbeds
+from handler.errors import BadRequest
+from handler.images import DecodeLimits, FetchPolicy, load_image
+from handler.tokenization import ImageRef, PromptRenderer, RenderedPrompt
+
+
+def image_loader(settings: Settings) -> Callable[[ImageRef], object]:
+    """Loads one referenced image under the settings' fetch policy and limits; counts failed fetches by reason."""
+    policy = FetchPolicy(enabled=settings.image_fetch_enabled, allowed_hosts=settings.image_fetch_allowed_hosts,
+                         timeout_s=settings.image_fetch_timeout, max_bytes=settings.image_max_bytes)
+    limits = DecodeLimits(max_pixels=settings.image_max_pixels, max_bytes=settings.image_max_bytes)
+
+    def load(ref: ImageRef):
+        try:
+            return load_image(ref.ref, policy, limits, param=ref.param)
+        except BadRequest as error:
+            if error.code:  # set by the fetcher only: a URL that was refused or could not be read
+                metrics.record_image_fetch_failure(error.code)
+            raise
+
+    return load
+
+
+class VisionRenderer(PromptRenderer):
+    """A ``PromptRenderer`` for a vision-language model: prompts go through the model's processor (its chat
+    template and image-token expansion), with or without images."""
+
+    def __init__(self, tokenizer, tool_format: str, encoder, load: Callable[[ImageRef], object],
+                 max_images: int) -> None:
+        super().__init__(tokenizer, tool_format)
+        self.encoder = encoder
+        self._load = load
+        self._max_images = max_images
+        self.has_chat_template = bool(getattr(encoder.processor, "chat_template", None)) or self.has_chat_template
+
+    @property
+    def is_vision(self) -> bool:
+        return True
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.render_prompt(messages, tools).prompt_ids)
+
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                      images: list[ImageRef] | None = None) -> RenderedPrompt:
+        images = images or []
+        if len(images) > self._max_images:
+            raise BadRequest(f"the request has {len(images)} images; at most {self._max_images} are allowed "
+                             "(option.max_images_per_request)", param=images[self._max_images].param)
+        pictures = [self._load(ref) for ref in images]
+        messages = [_as_parts(m) for m in self.with_tools(messages, tools or [])]
+        try:
+            encoded = self.encoder.encode(messages, pictures)
+        except ValueError as error:
+            raise BadRequest(f"the images could not be encoded for this model: {error}", param="messages") from None
+        embeds = PromptEmbeds(tuple(encoded.image_positions), encoded.embeddings) if encoded.image_positions else None
+        return RenderedPrompt(tuple(encoded.prompt_ids), embeds)
+
+
+def _as_parts(message: dict) -> dict:
+    """Vision templates iterate over content parts: a plain string becomes one text part."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}]}
+    return message

@@ -1,0 +1,174 @@
+"""Tiny, randomly initialised vision-language checkpoints of real transformers architectures, built locally.
+
+Nothing is downloaded: the tokenizer is the embedded SmolLM2's (``model_store/smollm2-135m-instruct``, built by
+``make model``) plus the special tokens the architecture's processor uses, and the weights are random
+(``torch.manual_seed``), so a build is deterministic. Each folder is what ``save_pretrained`` writes for a real
+checkpoint: ``config.json``, ``model.safetensors``, ``generation_config.json``, the processor and tokenizer files and
+a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` content parts.
+
+- ``idefics3`` (the default): SmolVLM-256M's architecture at toy size (SigLIP-style tower, pixel-shuffle connector,
+  Llama text model, untied head) with image splitting on: 64-pixel tiles of 16 image tokens each, images resized
+  to a longest edge of 256, so an image costs (rows x cols + 1) x 16 image tokens.
+- ``llava``: a CLIP tower + MLP projector + Llama text model with tied embeddings; one 32-pixel view, 16 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "model_store" / "smollm2-135m-instruct"
+
+# SmolVLM's chat template style: "User:<image>text<end_of_utterance>\nAssistant:" with content parts in order.
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+# LLaVA-1.5's style: "USER: <image>\ntext ASSISTANT:".
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ ' ' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
+]
+
+
+def build_tiny_vlm(path: Path, architecture: str = "idefics3") -> Path:
+    """Save a tiny random VLM of ``architecture`` ("idefics3" or "llava") with its real processor to ``path``."""
+    builders = {"idefics3": _build_idefics3, "llava": _build_llava}
+    if architecture not in builders:
+        raise ValueError(f"unknown architecture {architecture!r}; expected one of {sorted(builders)}")
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    builders[architecture](path)
+    return path
+
+
+def _tokenizer(special_tokens: list[str], eos_token: str | None = None):
+    from transformers import AutoTokenizer
+
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{SMOLLM2_DIR} has no tokenizer: run `make model` first")
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR), local_files_only=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    if eos_token is not None:
+        tokenizer.eos_token = eos_token
+    return tokenizer
+
+
+def _text_config(tokenizer, tie: bool):
+    from transformers import LlamaConfig
+
+    vocab = (len(tokenizer) + 63) // 64 * 64  # padded to a multiple of 64, as real checkpoints are
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _save(path: Path, model, processor, eos_token_id: int) -> None:
+    from transformers import GenerationConfig
+
+    model.save_pretrained(str(path))
+    processor.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=eos_token_id).save_pretrained(str(path))
+
+
+def _build_idefics3(path: Path) -> None:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _tokenizer(IDEFICS3_TOKENS, eos_token="<end_of_utterance>")
+    tile = 64
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": tile,
+        "patch_size": 8,
+    }
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=_text_config(tokenizer, tie=False).to_dict(),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 4 * tile},
+        max_image_size={"longest_edge": tile},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        do_image_splitting=True,
+    )
+    image_seq_len = (tile // 8) ** 2 // 2**2  # patches per tile / scale_factor**2
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=image_seq_len,
+        chat_template=IDEFICS3_TEMPLATE,
+    )
+    tokenizer.chat_template = IDEFICS3_TEMPLATE
+    model = Idefics3ForConditionalGeneration(config).eval()
+    _save(path, model, processor, tokenizer.convert_tokens_to_ids("<end_of_utterance>"))
+
+
+def _build_llava(path: Path) -> None:
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip import CLIPImageProcessorPil
+
+    tokenizer = _tokenizer(["<image>"])
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision.to_dict(),
+        text_config=_text_config(tokenizer, tie=True).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+    )
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    model = LlavaForConditionalGeneration(config).eval()
+    _save(path, model, processor, tokenizer.eos_token_id)
