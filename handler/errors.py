@@ -39,6 +39,13 @@ class Unprocessable(ServingError):
     error_type = "invalid_request_error"
 
 
+class NotFound(ServingError):
+    """404: what the request names does not exist (OpenAI: an unknown model is ``model_not_found``)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(ServingError):
     """413: the body is over the size SageMaker allows."""
 

@@ -1,7 +1,10 @@
 """HTTP routes. Each one parses, converts, submits and formats; the schema and framing pick the functions.
 
 ``/invocations`` sniffs the body: ``messages`` means chat completions (it wins when ``inputs`` is there too),
-else ``inputs`` means the legacy schema, else 400 naming both fields.
+else ``inputs`` means the legacy schema, else ``prompt`` means completions, else 400 naming the three fields.
+
+The ``extra-parameters`` request header (Azure ML) says what to do with undeclared body fields (error, ignore,
+pass-through; see ``protocol/common.py``); fields it dropped are named in the ``extra-parameters-ignored`` header.
 
 Every response carries ``X-Request-Id`` (the completion's id once a request reached the engine, a fresh one for
 requests refused before); when the response has been sent, the request is logged and counted (``request_log``).
@@ -13,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from urllib.parse import quote
 
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -20,13 +24,22 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from handler import metrics, request_log
 from handler.djl_routes import install_user_handler
 from handler.engine.engine import Admission, Engine
-from handler.errors import BadRequest, EngineError, NotReady, Overloaded, PayloadTooLarge, ServingError
+from handler.errors import BadRequest, EngineError, NotFound, NotReady, Overloaded, PayloadTooLarge, ServingError
 from handler.formatting import chat as chat_format
+from handler.formatting import completions as completions_format
 from handler.formatting import legacy as legacy_format
 from handler.formatting.context import FormatContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol.chat import ChatCompletionRequest
-from handler.protocol.common import new_request_id, parse_model
+from handler.protocol.common import (
+    EXTRA_PARAMETERS_HEADER,
+    ExtraParameters,
+    Extras,
+    Model,
+    new_request_id,
+    parse_request,
+)
+from handler.protocol.completions import CompletionRequest
 from handler.protocol.legacy import LegacyRequest
 from handler.request_log import ObservedHandle
 from handler.service import ModelService
@@ -34,6 +47,7 @@ from handler.service import ModelService
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit
+IGNORED_HEADER = "extra-parameters-ignored"
 UNLOGGED_ROUTES = frozenset({"/ping", "/metrics"})  # SageMaker pings every few seconds; scrapes are not traffic
 
 
@@ -47,6 +61,9 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.add_url_rule("/ping", view_func=routes.ping, methods=["GET"])
     app.add_url_rule("/invocations", view_func=routes.invocations, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/completions", view_func=routes.completions, methods=["POST"])
+    app.add_url_rule("/v1/models", view_func=routes.models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model_id>", view_func=routes.model, methods=["GET"])
     app.add_url_rule("/metrics", view_func=routes.metrics, methods=["GET"])
     app.register_error_handler(ServingError, routes.serving_error)
     app.register_error_handler(HTTPException, routes.http_error)
@@ -69,7 +86,8 @@ class Routes:
     def __init__(self, service: ModelService, is_draining: Callable[[], bool]) -> None:
         self.service = service
         self.is_draining = is_draining
-        self.handlers = {"chat": self._chat, "legacy": self._legacy}
+        self.handlers = {"chat": self._chat, "legacy": self._legacy, "completions": self._completions}
+        self.created = int(time.time())  # /v1/models' "created": when this server started
 
     # ---- routes -------------------------------------------------------------------------------------------
     def ping(self) -> Response:
@@ -95,14 +113,29 @@ class Routes:
         g.schema = "chat"
         return self._chat(read_json(), "sse")
 
+    def completions(self) -> Response:
+        g.schema = "completions"
+        return self._completions(read_json(), "sse")
+
+    def models(self) -> Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    def model(self, model_id: str) -> Response:
+        if model_id != self.service.model_name:
+            raise NotFound(f"the model '{model_id}' does not exist; this server serves '{self.service.model_name}'",
+                           param="model", code="model_not_found")
+        return json_response(self._model_card())
+
     # ---- schemas ------------------------------------------------------------------------------------------
     def _chat(self, body: dict, framing: str) -> Response:
-        parsed = parse_model(ChatCompletionRequest, body)
+        parsed, extras = self._parse(ChatCompletionRequest, body)
         self._note(bool(parsed.stream), body.get("messages"))
-        generation = parsed.to_generation_request(self._renderer(), self.service.default_temperature)
+        generation = extras.apply(parsed.to_generation_request(self._renderer(), self.service.default_temperature))
         handle = self._submit(generation)
         ctx = self._context(generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
-                            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+                            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                            keep_best=parsed.n if parsed.best_of else None,
+                            tool_format=parsed.output_plan(self._renderer()).tool_format)
         if not parsed.stream:
             try:
                 return json_response(chat_format.chat_completion(handle, generation.n, ctx))
@@ -113,9 +146,10 @@ class Routes:
                                lambda e: chat_format.error_record(e))
 
     def _legacy(self, body: dict, framing: str) -> Response:
-        parsed = parse_model(LegacyRequest, body)
+        parsed, extras = self._parse(LegacyRequest, body)
         self._note(bool(parsed.stream), body.get("inputs"))
-        generations = parsed.to_generation_requests(self._renderer(), self.service.settings.default_max_new_tokens)
+        generations = [extras.apply(generation) for generation in parsed.to_generation_requests(
+            self._renderer(), self.service.settings.default_max_new_tokens)]
         handles = self._submit_all(generations)
         p = parsed.parameters
         ctx = self._context(generations[0].request_id, None, want_logprobs=p.details,
@@ -131,7 +165,37 @@ class Routes:
                 handle.cancel()
         return json_response(results if parsed.is_batch else results[0])
 
+    def _completions(self, body: dict, framing: str) -> Response:
+        parsed, extras = self._parse(CompletionRequest, body)
+        self._note(bool(parsed.stream), body.get("prompt"))
+        generations = [extras.apply(generation) for generation in parsed.to_generation_requests(
+            self._renderer(), self.service.default_temperature)]
+        handles = self._submit_all(generations)
+        ctx = self._context(generations[0].request_id, parsed.model, want_logprobs=parsed.logprobs is not None,
+                            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                            prompt_texts=tuple(parsed.prompts), return_full_text=parsed.echo,
+                            keep_best=parsed.n if parsed.best_of else None, suffix=parsed.suffix or "")
+        if parsed.stream:
+            records = completions_format.completion_chunks(handles[0], parsed.num_choices, ctx)
+            return stream_response(records, framing, handles, chat_format.error_record)
+        try:
+            return json_response(completions_format.completion(handles, parsed.num_choices, ctx))
+        finally:
+            for handle in handles:  # when one prompt failed, the others stop too
+                handle.cancel()
+
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _parse(self, model: type[Model], body: dict) -> tuple[Model, Extras]:
+        """Validate the body under the request's ``extra-parameters`` policy; remember what it dropped."""
+        policy = ExtraParameters.from_header(request.headers.get(EXTRA_PARAMETERS_HEADER))
+        parsed, extras = parse_request(model, body, policy)
+        g.ignored_fields = extras.ignored
+        return parsed, extras
+
+    def _model_card(self) -> dict:
+        return {"id": self.service.model_name, "object": "model", "created": self.created,
+                "owned_by": "sagemaker-llm-container"}
+
     def _renderer(self):
         if self.is_draining():
             raise NotReady("the server is stopping")
@@ -205,6 +269,8 @@ class Routes:
     def finish_response(response: Response) -> Response:
         """Tag the response with its id; log and count the request once the response has been sent."""
         response.headers["X-Request-Id"] = g.get("request_id") or new_request_id("req")
+        if g.get("ignored_fields"):
+            response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in g.ignored_fields)
         record = g.get("record")
         if record is not None and record.route not in UNLOGGED_ROUTES:
             record.schema = g.get("schema", "none")
@@ -248,8 +314,10 @@ def sniff_schema(body: dict) -> str:
         return "chat"
     if "inputs" in body:
         return "legacy"
-    raise BadRequest("the body has neither 'messages' (chat completions) nor 'inputs' (legacy schema)",
-                     param="messages")
+    if "prompt" in body:
+        return "completions"
+    raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema) and 'prompt' "
+                     "(completions)", param="messages")
 
 
 def json_response(payload: object, status: int = 200) -> Response:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, NotReady
@@ -16,11 +16,14 @@ class FormatContext:
     created: int
     token_text: Callable[[int], str]
     token_bytes: Callable[[int], bytes]
-    want_logprobs: bool = False          # chat: logprobs; legacy: details
-    include_usage: bool = False          # chat stream_options.include_usage
-    prompt_texts: tuple[str, ...] = ()   # legacy: return_full_text / details.inputs
-    return_full_text: bool = False
+    want_logprobs: bool = False          # chat: logprobs; legacy: details; completions: logprobs is set
+    include_usage: bool = False          # chat, completions: stream_options.include_usage
+    prompt_texts: tuple[str, ...] = ()   # legacy: return_full_text / details.inputs; completions: echo
+    return_full_text: bool = False       # legacy: return_full_text; completions: echo
     want_top_tokens: bool = False        # legacy: top_n_tokens
+    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
+    suffix: str = ""                     # completions: appended to every completion
+    tool_format: str | None = None       # chat: parse tool calls in this format (None: the text is all content)
 
 
 @dataclass(slots=True)
@@ -48,6 +51,18 @@ def fold(events: Iterable[TokenEvent], n: int) -> list[ChoiceResult]:
             choice.finish = event
             raise_for_failure(event)
     return choices
+
+
+def best_choices(choices: list[ChoiceResult], n: int) -> list[ChoiceResult]:
+    """``best_of`` (vLLM's rule): the ``n`` choices with the highest cumulative logprob, the best first, re-indexed
+    ``0..n-1`` in that order (ties keep their order)."""
+    ranked = sorted(choices, key=cumulative_logprob, reverse=True)[:n]
+    return [replace(choice, index=index) for index, choice in enumerate(ranked)]
+
+
+def cumulative_logprob(choice: ChoiceResult) -> float:
+    """The sum of the chosen tokens' logprobs: the log of the choice's probability under the sampler."""
+    return sum(e.logprob for e in choice.token_events if e.logprob is not None)
 
 
 def raise_for_failure(event: TokenEvent) -> None:

@@ -1,15 +1,31 @@
-"""What both schemas share: validation errors that name the field, and request ids."""
+"""What the schemas share: validation errors that name the field, the ``extra-parameters`` policy for fields a
+schema does not declare, the OpenAI sampling fields' conversion, and request ids.
+
+``extra-parameters`` (Azure ML's request header) decides what happens to undeclared top-level fields (and, for the
+legacy schema, undeclared keys of ``parameters``):
+
+- ``error`` (the default, as Azure documents): a 400 naming the field.
+- ``ignore`` (``drop`` is an alias): the fields are dropped and named in ``Extras.ignored``; the server returns them
+  in the ``extra-parameters-ignored`` response header, so nothing is dropped silently.
+- ``pass-through``: the fields go to the engine's generation parameters when the engine has one of that name
+  (``PassThrough``: the LMI / TGI names ``max_new_tokens``, ``do_sample``, ``stop_sequences``, ``stop_token_ids``);
+  any other is a 422 naming it (the model cannot serve it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import uuid
-from typing import TypeVar
+from typing import Annotated, Protocol, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from handler.errors import BadRequest
+from handler.engine.types import GenerationRequest, SamplingParams
+from handler.errors import BadRequest, Unprocessable
 
 Model = TypeVar("Model", bound=BaseModel)
+EXTRA_PARAMETERS_HEADER = "extra-parameters"
 
 
 def parse_model(model: type[Model], body: object, prefix: str = "") -> Model:
@@ -40,6 +56,158 @@ def field_path(loc: tuple) -> str:
 
 def _is_union_tag(item: str) -> bool:
     return "[" in item or item.startswith("function-") or item in {"str", "int", "float", "bool", "none"}
+
+
+class ExtraParameters(enum.Enum):
+    """The ``extra-parameters`` header's policies (see the module docstring)."""
+
+    ERROR = "error"
+    IGNORE = "ignore"
+    PASS_THROUGH = "pass-through"
+
+    @classmethod
+    def from_header(cls, value: str | None) -> ExtraParameters:
+        """The policy a header value names; absent means ``error``; anything unknown is a 400 naming the header."""
+        if value is None:
+            return cls.ERROR
+        name = value.strip().lower()
+        if name == "drop":
+            return cls.IGNORE
+        try:
+            return cls(name)
+        except ValueError:
+            raise BadRequest(f"invalid {EXTRA_PARAMETERS_HEADER} header {value!r}: use error, ignore (or drop) or "
+                             "pass-through", param=EXTRA_PARAMETERS_HEADER) from None
+
+
+class PassThrough(BaseModel):
+    """Generation parameters the engine has under their LMI / TGI names, taken from undeclared fields under
+    ``extra-parameters: pass-through``; each one given replaces (limits, sampling) or extends (stops) the request's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    do_sample: bool | None = None
+    stop_sequences: list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _no_empty_stop(cls, stops: list[str] | None) -> list[str] | None:
+        if stops and any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    def apply(self, generation: GenerationRequest) -> GenerationRequest:
+        stop = dataclasses.replace(
+            generation.stop, max_new_tokens=self.max_new_tokens or generation.stop.max_new_tokens,
+            stop_strings=generation.stop.stop_strings + tuple(self.stop_sequences or ()),
+            stop_token_ids=generation.stop.stop_token_ids + tuple(self.stop_token_ids or ()))
+        sampling = generation.sampling
+        if self.do_sample is not None:  # HF generate: do_sample false is greedy; true samples, at 1.0 unless given
+            temperature = (1.0 if sampling.is_greedy else sampling.temperature) if self.do_sample else 0.0
+            sampling = dataclasses.replace(sampling, temperature=temperature)
+        return dataclasses.replace(generation, stop=stop, sampling=sampling)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Extras:
+    """What ``parse_request`` did with undeclared fields: the names it dropped, the parameters it passes on."""
+
+    ignored: tuple[str, ...] = ()
+    passed: PassThrough | None = None
+
+    def apply(self, generation: GenerationRequest) -> GenerationRequest:
+        return generation if self.passed is None else self.passed.apply(generation)
+
+
+def parse_request(model: type[Model], body: object, policy: ExtraParameters) -> tuple[Model, Extras]:
+    """Validate a request body under an ``extra-parameters`` policy. Undeclared fields are looked for at the top
+    level and inside the fields a model names in its ``extra_parameters_in`` class attribute."""
+    if policy is ExtraParameters.ERROR or not isinstance(body, dict):
+        return parse_model(model, body), Extras()
+    declared, undeclared = split_undeclared(model, body)
+    if policy is ExtraParameters.IGNORE:
+        names = tuple(prefix + name for prefix, fields in undeclared.items() for name in fields)
+        return parse_model(model, declared), Extras(ignored=names)
+    passed = PassThrough()
+    for prefix, fields in undeclared.items():
+        for name in fields:
+            if name not in PassThrough.model_fields:
+                raise Unprocessable(f"unknown field '{prefix}{name}': the model cannot serve it (extra-parameters: "
+                                    f"pass-through passes on only {', '.join(PassThrough.model_fields)})",
+                                    param=prefix + name)
+        update = parse_model(PassThrough, fields, prefix).model_dump(exclude_unset=True)
+        passed = passed.model_copy(update=update)
+    return parse_model(model, declared), Extras(passed=passed)
+
+
+def split_undeclared(model: type[BaseModel], body: dict, prefix: str = "") -> tuple[dict, dict[str, dict]]:
+    """``body`` without the fields ``model`` does not declare, and those fields keyed by where they were
+    (``""`` for the top level, ``"parameters."`` inside legacy's ``parameters``)."""
+    declared = {key: value for key, value in body.items() if key in model.model_fields}
+    undeclared = {prefix: {key: value for key, value in body.items() if key not in model.model_fields}}
+    for name in getattr(model, "extra_parameters_in", ()):
+        inner = model.model_fields[name].annotation
+        if isinstance(declared.get(name), dict) and isinstance(inner, type) and issubclass(inner, BaseModel):
+            declared[name], nested = split_undeclared(inner, declared[name], f"{prefix}{name}.")
+            undeclared.update(nested)
+    return declared, {where: fields for where, fields in undeclared.items() if fields}
+
+
+class OpenAISampling(Protocol):
+    """The OpenAI sampling fields (and the vLLM extensions) chat and completions requests share."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: dict[int, float] | None
+    seed: int | None
+
+
+def openai_sampling_params(request: OpenAISampling, default_temperature: float) -> SamplingParams:
+    # Without a temperature: the model's own default (generation_config.json), greedy when it has none (as
+    # LMI and HF generate do; OpenAI's hosted default of 1.0 would make small models ramble).
+    temperature = default_temperature if request.temperature is None else request.temperature
+    return SamplingParams(
+        temperature=temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k in (None, -1) else request.top_k,
+        min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        logit_bias=tuple(sorted((request.logit_bias or {}).items())),
+        seed=request.seed,
+    )
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    if isinstance(stop, list) and len(stop) > 4:
+        raise BadRequest(f"stop has {len(stop)} sequences; at most 4 are allowed", param="stop")
+    if any(s == "" for s in stop_list(stop)):
+        raise BadRequest("stop sequences must not be empty", param="stop")
+
+
+def check_logit_bias(bias: dict[int, float] | None) -> None:
+    for token_id, value in (bias or {}).items():
+        if not -100.0 <= value <= 100.0:
+            raise BadRequest(f"logit_bias[{token_id}]={value} is outside -100..100", param="logit_bias")
+
+
+def check_best_of(best_of: int | None, n: int, stream: bool) -> None:
+    """vLLM / OpenAI: best_of candidates are generated and the n best returned, so it needs best_of >= n and
+    cannot stream (the best are known only at the end)."""
+    if best_of is None:
+        return
+    if best_of < n:
+        raise BadRequest(f"best_of={best_of} is less than n={n}; it must be at least n", param="best_of")
+    if stream:
+        raise BadRequest("best_of cannot be used with stream: true", param="best_of")
 
 
 def new_request_id(prefix: str) -> str:

@@ -7,7 +7,7 @@ those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +65,7 @@ class LegacyParameters(BaseModel):
 
 class LegacyRequest(BaseModel):
     model_config = _STRICT
+    extra_parameters_in: ClassVar[tuple[str, ...]] = ("parameters",)  # the extra-parameters policy looks here too
 
     inputs: str | list[str]
     parameters: LegacyParameters = Field(default_factory=LegacyParameters)

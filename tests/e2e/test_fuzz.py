@@ -356,6 +356,8 @@ if schemathesis is not None:
                 value = parameters.get("max_new_tokens")
                 if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > SMALL):
                     parameters["max_new_tokens"] = SMALL
+        elif "prompt" in body and is_huge_limit("max_tokens", body.get("max_tokens")):
+            body["max_tokens"] = SMALL
         return body
 
     @SCHEMA.parametrize()
