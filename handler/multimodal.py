@@ -63,7 +63,8 @@ class VisionRenderer(PromptRenderer):
         pictures = [self._load(ref) for ref in images]
         messages = [_as_parts(m) for m in self.with_tools(messages, tools or [])]
         try:
-            encoded = self.encoder.encode(messages, pictures)
+            # detail "low" applies when every image asks for it: the processor takes one setting per call
+            encoded = self.encoder.encode(messages, pictures, low_detail=all(r.detail == "low" for r in images))
         except ValueError as error:
             raise BadRequest(f"the images could not be encoded for this model: {error}", param="messages") from None
         embeds = PromptEmbeds(tuple(encoded.image_positions), encoded.embeddings) if encoded.image_positions else None

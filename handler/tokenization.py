@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from handler.errors import BadRequest, Unprocessable
+from handler.formatting import tool_calls
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A chat prompt as the engine takes it: token ids, and for vision models the image embeddings."""
+
+    prompt_ids: tuple[int, ...]
+    embeds: object | None = None    # handler.engine.types.PromptEmbeds
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -21,12 +32,38 @@ def _byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _byte_decoder()
 
 
-class PromptRenderer:
-    """Wraps a transformers tokenizer for the protocol layer."""
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image in a chat request: its URL, data URI or base64 text, and the field it came from."""
 
-    def __init__(self, tokenizer) -> None:
+    ref: str
+    param: str                  # e.g. messages[0].content[1]
+    detail: str = "auto"        # OpenAI's image detail: auto, low, high
+
+
+class PromptRenderer:
+    """Wraps a transformers tokenizer for the protocol layer: chat templates, tools, tokens' text.
+
+    ``tool_format`` is how this model writes tool calls (``handler.formatting.tool_calls.FORMATS``): the setting
+    when given, else detected from the chat template."""
+
+    def __init__(self, tokenizer, tool_format: str = "auto") -> None:
         self.tokenizer = tokenizer
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.has_chat_template = bool(template)
+        self.tool_format = tool_calls.detect_format(template) if tool_format == "auto" else tool_format
+        self._template_renders_tools = tool_calls.template_renders_tools(template)
+        self.tool_marker_id = self._special_token_id(tool_calls.FORMATS[self.tool_format].opener)
+
+    def _special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when the tokenizer has it as one special token (Mistral's ``[TOOL_CALLS]``, Llama's
+        ``<|python_tag|>``): the model writes it as that token, which detokenising would otherwise drop."""
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        return token_id if token_id in set(self.tokenizer.all_special_ids) else None
+
+    @property
+    def is_vision(self) -> bool:
+        return False
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -52,13 +89,52 @@ class PromptRenderer:
         decoder = getattr(self.tokenizer, "backend_tokenizer", None)
         return decoder is not None and "ByteLevel" in type(decoder.decoder).__name__
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template, ending with the assistant's turn."""
+        return self.encode(self.chat_text(messages, tools))
+
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                      images: list[ImageRef] | None = None) -> RenderedPrompt:
+        """``render_chat`` for messages that may hold images (``{"type": "image"}`` parts, refs in order)."""
+        if images:
+            raise BadRequest("this model is not a vision model: it cannot take image content", param=images[0].param)
+        return RenderedPrompt(tuple(self.render_chat(messages, tools)))
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's text. Tools go to the template when it renders them (``tools=``); otherwise
+        they are described in the system prompt, and earlier calls are written into the assistant messages, in
+        the format the output is parsed in."""
         if not self.has_chat_template:
             raise Unprocessable("this model has no chat template; send the legacy {\"inputs\": ...} schema instead",
                                 param="messages")
+        extra = {}
+        if tools and self._template_renders_tools:
+            extra["tools"] = tools
+        else:
+            messages = self.with_tools(messages, tools or [])
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as error:  # jinja's raise_exception (e.g. "roles must alternate") and type errors
             raise BadRequest(f"the model's chat template rejected the messages: {error}", param="messages") from None
-        return self.encode(text)
+
+    def with_tools(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """The messages with tools described in the system prompt and earlier calls written into the text."""
+        if tools or any(m.get("tool_calls") for m in messages):
+            return self._with_tools_in_text(messages, tools)
+        return messages
+
+    def _with_tools_in_text(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        rendered = []
+        for message in messages:
+            if message.get("tool_calls"):
+                calls = tool_calls.render_calls(message["tool_calls"], self.tool_format)
+                text = message.get("content") or ""
+                message = {**message, "content": f"{text}\n{calls}" if text else calls}
+                del message["tool_calls"]
+            rendered.append(message)
+        if not tools:
+            return rendered
+        description = tool_calls.tools_system_prompt(tools, self.tool_format)
+        if rendered and rendered[0]["role"] == "system" and isinstance(rendered[0].get("content"), str):
+            return [{**rendered[0], "content": f"{rendered[0]['content']}\n\n{description}"}, *rendered[1:]]
+        return [{"role": "system", "content": description}, *rendered]

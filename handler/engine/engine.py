@@ -322,6 +322,8 @@ class Engine:
             self._finish(sequence, FinishReason.ERROR, error=f"the output grammar refused token {token_id}")
             return
         text, hit_stop_string = ("", False) if is_eos else sequence.detokenizer.push(token_id)
+        if token_id in sequence.request.request.keep_special_ids:  # the detokenizer drops special tokens' text
+            text += self._loaded.tokenizer.id_to_token(token_id) or ""
         # a grammar that is complete allows only EOS next: end the choice as if the model had sent it
         is_complete = is_eos or (matcher is not None and matcher.is_stopped())
         reason = self._finish_reason(sequence, token_id, is_complete, hit_stop_string)

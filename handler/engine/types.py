@@ -91,6 +91,7 @@ class GenerationRequest:
     truncate_prompt: bool = False       # too long for the context: keep the prompt's last tokens instead of refusing
     grammar: GrammarSpec | None = None  # constrained decoding (response_format, forced tool calls)
     prompt_embeds: PromptEmbeds | None = None
+    keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ class Architecture:
     text_prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> Llama prefix, first match wins
     vision_prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> path in the base model
     image_inputs: tuple[str, ...]  # processor outputs get_image_features takes besides pixel_values
+    low_detail: tuple[tuple[str, object], ...] = ()  # processor kwargs for OpenAI's detail "low" (fewer tokens)
 
 
 _IDEFICS3 = Architecture(
@@ -52,6 +53,7 @@ _IDEFICS3 = Architecture(
     text_prefixes=(("model.text_model.", "model."), ("lm_head.", "lm_head.")),
     vision_prefixes=(("model.vision_model.", "vision_model."), ("model.connector.", "connector.")),
     image_inputs=("pixel_attention_mask",),
+    low_detail=(("do_image_splitting", False),),  # one global view of image_seq_len tokens, no tiles
 )
 # transformers 5 saves model.language_model.* / model.vision_tower.*; older LLaVA checkpoints have no "model." root
 _LLAVA = Architecture(
@@ -173,8 +175,10 @@ class VisionEncoder:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        low_detail: dict | None = None,
     ) -> None:
         self.processor = processor
+        self._low_detail = low_detail or {}
         self.model = model  # the HF base model, its language model removed
         self._image_token_id = image_token_id
         self.image_inputs = image_inputs
@@ -199,22 +203,28 @@ class VisionEncoder:
             )
         model = _load_vision_model(model_dir, config, arch, dtype, device)
         hidden_size = config.get_text_config(decoder=True).hidden_size
-        return cls(processor, model, image_token_id, arch.image_inputs, hidden_size, dtype, device)
+        return cls(processor, model, image_token_id, arch.image_inputs, hidden_size, dtype, device,
+                   dict(arch.low_detail))
 
     @property
     def image_token_id(self) -> int:
         return self._image_token_id
 
-    def encode(self, messages: list[dict], images: list[Image.Image]) -> MultimodalPrompt:
+    def encode(self, messages: list[dict], images: list[Image.Image], *, low_detail: bool = False) -> MultimodalPrompt:
         """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
         generation prompt, expand the image tokens, and encode the images. ValueError when the image parts, the
-        image tokens (a text part may spell one out) and the images do not agree."""
+        image tokens (a text part may spell one out) and the images do not agree.
+
+        ``low_detail`` (OpenAI's ``detail: "low"``) asks for the architecture's cheapest view: Idefics3 skips
+        image splitting (one view instead of up to 37 tiles); LLaVA has only one view anyway."""
+        kwargs = self._low_detail if low_detail else {}
         num_parts = sum(_count_image_parts(message.get("content")) for message in messages)
         if num_parts != len(images):
             raise ValueError(f"the messages have {num_parts} image parts but {len(images)} images were given")
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         try:  # the template already holds the special tokens; the processor checks image tokens against images
-            inputs = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+            inputs = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
+                                    **kwargs)
         except ValueError as error:  # e.g. a text part spelling out the image token itself
             raise ValueError(f"the prompt does not match its images: {error}") from error
         prompt_ids = inputs["input_ids"][0]

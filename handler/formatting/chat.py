@@ -6,7 +6,8 @@ from collections.abc import Iterable, Iterator
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
-from handler.formatting.context import FormatContext, finals_of, fold, usage
+from handler.formatting import tool_calls
+from handler.formatting.context import ChoiceResult, FormatContext, best_choices, finals_of, fold, usage
 
 SYSTEM_FINGERPRINT = "fp_sagemaker_llm_container"
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -25,29 +26,50 @@ def _token_entry(token_id: int, logprob: float | None, ctx: FormatContext) -> di
 
 
 def chat_completion(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> dict:
-    """Fold a request's events into one ``chat.completion`` object."""
-    choices = fold(events, n)
+    """Fold a request's events into one ``chat.completion`` object (with best_of: the most likely choices; usage
+    counts every candidate's tokens, as OpenAI bills them)."""
+    candidates = fold(events, n)
+    choices = best_choices(candidates, ctx.keep_best) if ctx.keep_best else candidates
     return {
         "id": ctx.request_id,
         "object": "chat.completion",
         "created": ctx.created,
         "model": ctx.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": [token_logprob(e, ctx) for e in c.token_events if not e.is_special]}
-            if ctx.want_logprobs else None,
-            "finish_reason": FINISH_REASONS[c.finish.finish_reason],
-        } for c in choices],
-        "usage": usage(c.finish for c in choices),
+        "choices": [_choice(c, ctx) for c in choices],
+        "usage": usage(c.finish for c in candidates),
     }
 
 
+def _choice(choice: ChoiceResult, ctx: FormatContext) -> dict:
+    message, finish_reason = _message(choice.text, choice.finish.finish_reason, ctx)
+    logprobs = None
+    if ctx.want_logprobs:
+        logprobs = {"content": [token_logprob(e, ctx) for e in choice.token_events if not e.is_special]}
+    return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _message(text: str, reason: FinishReason, ctx: FormatContext) -> tuple[dict, str]:
+    """``message`` and ``finish_reason`` of one choice; with tools, calls are parsed out of the text."""
+    if ctx.tool_format is None:
+        return {"role": "assistant", "content": text}, FINISH_REASONS[reason]
+    parsed = tool_calls.parse_tool_calls(text, ctx.tool_format)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+    return message, _finish_reason(reason, bool(parsed.calls))
+
+
+def _finish_reason(reason: FinishReason, has_calls: bool) -> str:
+    return "tool_calls" if has_calls and reason is not FinishReason.LENGTH else FINISH_REASONS[reason]
+
+
 def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Iterator[dict]:
-    """``chat.completion.chunk`` records: a role delta first, content deltas, then a finish_reason per choice."""
+    """``chat.completion.chunk`` records: a role delta first, content (or tool-call) deltas, then a finish_reason
+    per choice."""
     for index in range(n):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""})
+    streams = [_DeltaStream(ctx.tool_format) for _ in range(n)]
     finals = []
     for event in events:
         if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
@@ -56,13 +78,39 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Ite
         logprobs = None
         if ctx.want_logprobs and event.token_id is not None and not event.is_special:
             logprobs = {"content": [token_logprob(event, ctx)]}
-        finish = FINISH_REASONS.get(event.finish_reason) if event.finish_reason else None
-        if event.text or logprobs or finish:
-            yield _chunk(ctx, event.index, {"content": event.text} if event.text else {}, logprobs, finish)
+        stream = streams[event.index]
+        deltas = stream.push(event.text, is_last=event.finish_reason is not None)
+        for delta in deltas[:-1]:
+            yield _chunk(ctx, event.index, delta)
+        last = deltas[-1] if deltas else {}
+        finish = _finish_reason(event.finish_reason, stream.num_calls > 0) if event.finish_reason else None
+        if last or logprobs or finish:
+            yield _chunk(ctx, event.index, last, logprobs, finish)
         if event.finish_reason is not None:
             finals.append(event)
     if ctx.include_usage:
         yield {**_base(ctx), "choices": [], "usage": usage(finals_of(finals))}
+
+
+class _DeltaStream:
+    """One choice's text as chunk deltas: content as it comes, or, with tools, content and whole tool calls."""
+
+    def __init__(self, tool_format: str | None) -> None:
+        self._parser = tool_calls.ToolCallStream(tool_format) if tool_format else None
+        self.num_calls = 0
+
+    def push(self, text: str, *, is_last: bool) -> list[dict]:
+        if self._parser is None:
+            return [{"content": text}] if text else []
+        found = self._parser.push(text) + (self._parser.finish() if is_last else [])
+        deltas = []
+        for delta in found:
+            if isinstance(delta, tool_calls.CallDelta):
+                self.num_calls += 1
+                deltas.append({"tool_calls": [{"index": delta.index, **delta.call.to_openai()}]})
+            elif delta.text:
+                deltas.append({"content": delta.text})
+        return deltas
 
 
 def _base(ctx: FormatContext) -> dict:

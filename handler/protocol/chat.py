@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from handler.errors import BadRequest
-from handler.protocol.common import new_request_id, stop_list
-from handler.tokenization import PromptRenderer
+from handler.protocol.common import (
+    check_best_of,
+    check_logit_bias,
+    check_stop,
+    new_request_id,
+    openai_sampling_params,
+    stop_list,
+)
+from handler.protocol.structured import OutputPlan, ResponseFormat, Tool, ToolChoice, plan_output
+from handler.tokenization import ImageRef, PromptRenderer
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -33,10 +41,31 @@ class ImageUrl(BaseModel):
 class ImagePart(BaseModel):
     model_config = _STRICT
     type: Literal["image_url"]
-    image_url: ImageUrl
+    image_url: ImageUrl | str     # the object is OpenAI's shape; a bare string is accepted as its url
+
+    @property
+    def ref(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+    @property
+    def detail(self) -> str:
+        return "auto" if isinstance(self.image_url, str) else self.image_url.detail
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class AzureImagePart(BaseModel):
+    """Azure ML's image part: ``{"type": "image", "content": <URL or base64>, "detail": ...}``."""
+
+    model_config = _STRICT
+    type: Literal["image"]
+    content: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+    @property
+    def ref(self) -> str:
+        return self.content
+
+
+ContentPart = Annotated[TextPart | ImagePart | AzureImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -86,71 +115,66 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # --- extensions (vLLM / LMI names) ---
+    best_of: int | None = Field(None, ge=1, le=128)  # vLLM: best_of candidates, the n most likely returned
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = False
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
+    _plan: OutputPlan | None = PrivateAttr(None)
+
+    def output_plan(self, renderer: PromptRenderer) -> OutputPlan:
+        """The grammar the engine enforces and the tool-call format the formatter parses (computed once)."""
+        if self._plan is None:
+            self._plan = plan_output(self.response_format, self.tools, self.tool_choice, self.parallel_tool_calls,
+                                     renderer.tool_format, renderer.tool_marker_id)
+        return self._plan
 
     def to_generation_request(self, renderer: PromptRenderer, default_temperature: float) -> GenerationRequest:
-        _check_stop(self.stop)
-        _check_logit_bias(self.logit_bias)
+        check_stop(self.stop)
+        check_logit_bias(self.logit_bias)
+        check_best_of(self.best_of, self.n, self.stream)
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
-        prompt_ids = renderer.render_chat([_template_message(m, i) for i, m in enumerate(self.messages)])
+        plan = self.output_plan(renderer)
+        images: list[ImageRef] = []
+        messages = [_template_message(m, i, images) for i, m in enumerate(self.messages)]
+        prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images)
         return GenerationRequest(
             request_id=new_request_id("chatcmpl"),
-            prompt_ids=tuple(prompt_ids),
+            prompt_ids=prompt.prompt_ids,
+            prompt_embeds=prompt.embeds,
             sampling=self.sampling_params(default_temperature),
             stop=StopConditions(max_new_tokens=self.max_completion_tokens or self.max_tokens,
                                 stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos),
-            n=self.n,
+            n=self.best_of or self.n,
             num_top_logprobs=self.top_logprobs or 0,
             truncate_prompt=self.error_behavior == "truncate",
+            grammar=plan.grammar,
+            keep_special_ids=(plan.marker_id,) if plan.marker_id is not None else (),
         )
 
     def sampling_params(self, default_temperature: float) -> SamplingParams:
-        # Without a temperature: the model's own default (generation_config.json), greedy when it has none (as
-        # LMI and HF generate do; OpenAI's hosted default of 1.0 would make small models ramble).
-        temperature = default_temperature if self.temperature is None else self.temperature
-        return SamplingParams(
-            temperature=temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
-            seed=self.seed,
-        )
+        return openai_sampling_params(self, default_temperature)
 
 
-def _check_stop(stop: str | list[str] | None) -> None:
-    if isinstance(stop, list) and len(stop) > 4:
-        raise BadRequest(f"stop has {len(stop)} sequences; at most 4 are allowed", param="stop")
-    if any(s == "" for s in stop_list(stop)):
-        raise BadRequest("stop sequences must not be empty", param="stop")
-
-
-def _check_logit_bias(bias: dict[int, float] | None) -> None:
-    for token_id, value in (bias or {}).items():
-        if not -100.0 <= value <= 100.0:
-            raise BadRequest(f"logit_bias[{token_id}]={value} is outside -100..100", param="logit_bias")
-
-
-def _template_message(message: ChatMessage, index: int) -> dict:
-    """The message as chat templates expect it: text parts joined; images refused for a text-only model."""
+def _template_message(message: ChatMessage, index: int, images: list[ImageRef]) -> dict:
+    """The message as chat templates expect it. Text parts are joined into one string; a message with images
+    keeps a list of ``{"type": "image"}`` and ``{"type": "text"}`` parts (the form vision models' templates
+    take), and each image's reference is collected in order into ``images``."""
     rendered: dict = {"role": message.role}
     if isinstance(message.content, list):
-        for part_index, part in enumerate(message.content):
-            if isinstance(part, ImagePart):
-                raise BadRequest("this model is not a vision model: it cannot take image content",
-                                    param=f"messages[{index}].content[{part_index}]")
-        rendered["content"] = "".join(part.text for part in message.content)
+        if any(not isinstance(part, TextPart) for part in message.content):
+            rendered["content"] = [_template_part(part, index, j, images) for j, part in enumerate(message.content)]
+        else:
+            rendered["content"] = "".join(part.text for part in message.content)
     else:
         rendered["content"] = message.content or ""
     if message.tool_calls:
@@ -159,3 +183,10 @@ def _template_message(message: ChatMessage, index: int) -> dict:
         if getattr(message, key) is not None:
             rendered[key] = getattr(message, key)
     return rendered
+
+
+def _template_part(part: ContentPart, index: int, part_index: int, images: list[ImageRef]) -> dict:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    images.append(ImageRef(part.ref, f"messages[{index}].content[{part_index}]", part.detail))
+    return {"type": "image"}

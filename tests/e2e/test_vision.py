@@ -187,3 +187,10 @@ def test_a_text_model_refuses_images(url: str) -> None:
     assert response.status_code == 400
     assert "not a vision model" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "messages[0].content[1]"
+
+
+def test_low_detail_takes_one_view_instead_of_tiles(client: openai.OpenAI) -> None:
+    image = data_uri(png_bytes(64, 64))
+    auto = ask(client, image_part(image)).usage.prompt_tokens
+    low = ask(client, image_part(image, detail="low")).usage.prompt_tokens
+    assert auto - low >= 16 * 16  # 16 tiles of 16 image tokens fewer: only the global view is left

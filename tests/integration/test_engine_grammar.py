@@ -58,3 +58,12 @@ def test_a_bad_schema_is_refused_at_submit(engine, renderer) -> None:
     with pytest.raises(BadRequest) as error:
         engine.submit(constrained("bad", chat_ids(renderer, "hi"), spec))
     assert error.value.param == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(("keep", "expected"), [((1,), "<|im_start|>yes"), ((), "yes")])
+def test_a_kept_special_token_stays_in_the_text(engine, renderer, keep, expected) -> None:
+    """A tool-call marker that is a special token (Mistral's [TOOL_CALLS]) must reach the parser: the grammar asks
+    for the token by id and ``keep_special_ids`` keeps its text, which detokenising would drop."""
+    request = GenerationRequest("marker", chat_ids(renderer, "Answer yes."), stop=StopConditions(max_new_tokens=8),
+                                grammar=GrammarSpec("lark", 'start: <[1]> "yes"', "tool_choice"), keep_special_ids=keep)
+    assert collect(engine.submit(request))[0].text == expected

@@ -9,19 +9,25 @@ from handler.errors import BadRequest
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import parse_model
 from handler.protocol.legacy import LegacyRequest
+from handler.tokenization import PromptRenderer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-class FakeRenderer:
-    """Stands in for ``PromptRenderer``: records what it was asked and returns recognisable ids."""
+class FakeRenderer(PromptRenderer):
+    """Stands in for ``PromptRenderer`` (no tokenizer): records what it was asked and returns recognisable ids."""
+
+    tool_format = "hermes"
+    tool_marker_id = None
 
     def __init__(self) -> None:
         self.chats: list[list[dict]] = []
+        self.tools: list[list[dict] | None] = []
         self.encoded: list[tuple[str, bool]] = []
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         self.chats.append(messages)
+        self.tools.append(tools)
         return [100 + i for i in range(len(messages) * 3)]
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
