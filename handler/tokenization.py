@@ -59,6 +59,8 @@ class PromptRenderer:
         """The id of ``text`` when the tokenizer has it as one special token (Mistral's ``[TOOL_CALLS]``, Llama's
         ``<|python_tag|>``): the model writes it as that token, which detokenising would otherwise drop."""
         token_id = self.tokenizer.convert_tokens_to_ids(text)
+        if token_id is None or self.tokenizer.convert_ids_to_tokens(token_id) != text:  # unknown: the unk id
+            return None
         return token_id if token_id in set(self.tokenizer.all_special_ids) else None
 
     @property

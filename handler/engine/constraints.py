@@ -21,6 +21,9 @@ from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
 
 _BITS = torch.arange(32, dtype=torch.int32)
+# One line with json.dumps' separators: a small model given free whitespace can fill max_tokens with newlines and
+# indentation (seen with forced tool calls), and this is the spacing models see most.
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 class GrammarCompiler:
@@ -50,10 +53,7 @@ class GrammarCompiler:
 
         try:
             if spec.kind == "json_schema":
-                # compact JSON: a small model given free whitespace can fill max_tokens with newlines
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    json.loads(spec.source), defaults={"whitespace_flexible": False}
-                )
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec.source), defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.source)
         except (ValueError, TypeError) as error:

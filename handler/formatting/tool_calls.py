@@ -245,6 +245,9 @@ def call_grammar(tools: list[dict], fmt: str, *, parallel: bool, marker_token_id
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if fmt == MISTRAL:
         call = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    # one line with json.dumps' separators (llguidance's layout options): free whitespace lets a small model
+    # indent and wrap until it runs out of tokens
+    call = {**call, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
     if marker_token_id is not None:
         opener = f"<[{int(marker_token_id)}]>"
     else:

@@ -368,6 +368,7 @@ def test_call_grammar_shape() -> None:
         "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER_TOOL["function"]["parameters"]},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
     }
 
 
@@ -396,7 +397,7 @@ def matches(tokenizer, grammar: str, text: str, prefix_ids: tuple[int, ...] = ()
 
 
 H_W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-H_T = '<tool_call>\n{"name":"get_time","arguments":{"zone":"UTC"}}\n</tool_call>'
+H_T = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
 H_P = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
 LL_W = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
 LL_T = '{"name": "get_time", "parameters": {"zone": "CET"}}'
@@ -422,6 +423,8 @@ GRAMMAR_CASES = [
     (ALL3, HERMES, False, H_P, True),
     (ALL3, HERMES, False, H_P.replace("{}", '{"a": 1}'), False),  # ping takes no arguments
     (ALL3, HERMES, False, H_T.replace("UTC", "PST"), False),  # enum
+    (ALL3, HERMES, False, H_T.replace('": ', '":'), False),  # one layout: json.dumps' separators
+    (ALL3, HERMES, False, H_T.replace('{"zone"', '{\n  "zone"'), False),  # no indentation
     (ALL3, HERMES, True, f"{H_W}\n{H_T}\n{H_P}", True),
     (ALL3, LLAMA3_JSON, False, LL_W, True),
     (ALL3, LLAMA3_JSON, False, LL_W.replace("parameters", "arguments"), False),
