@@ -16,6 +16,8 @@ import torch
 from handler.engine.constraints import allowed_tokens
 from handler.engine.types import SamplingParams
 
+_NEG_INF = torch.tensor(float("-inf"))
+
 
 @dataclass(slots=True)
 class RowState:
@@ -73,7 +75,9 @@ def _apply_grammars(logits: torch.Tensor, rows: list[RowState]) -> list[int]:
     allowed = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])  # [constrained, vocab]
     has_any = allowed.any(dim=-1)
     keep = [i for i, ok in zip(constrained, has_any.tolist(), strict=True) if ok]
-    if keep:
+    if len(keep) == logits.shape[0]:  # every row constrained: mask in place
+        torch.where(allowed, logits, _NEG_INF, out=logits)
+    elif keep:
         logits[keep] = logits[keep].masked_fill(~allowed[has_any], float("-inf"))
     return [i for i, ok in zip(constrained, has_any.tolist(), strict=True) if not ok]
 
