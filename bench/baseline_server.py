@@ -22,7 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStream
 
 def create_baseline_app(model_dir: str) -> Flask:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # the same device and dtype as the served model's defaults: fp32 on CPU, bf16 on CUDA
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     lock = threading.Lock()
     app = Flask(__name__)
 
@@ -34,7 +37,7 @@ def create_baseline_app(model_dir: str) -> Flask:
     def invocations() -> Response:
         body = request.get_json()
         ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+                                            return_dict=True)["input_ids"].to(device)
         options = {"max_new_tokens": body.get("max_tokens", 64), "do_sample": False,
                    "min_new_tokens": body.get("max_tokens", 64) if body.get("ignore_eos") else 0}
         if not body.get("stream"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from handler.engine.runner import ModelRunner
 from handler.tokenization import PromptRenderer
 
 MAX_MODEL_LEN = 512
+# ENGINE_TEST_DEVICE=cuda runs the engine tests on a GPU (the CUDA path; CI has none, so cpu by default)
+DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
 
 
 def make_engine(loaded, max_step_tokens: int) -> Engine:
@@ -50,7 +53,7 @@ def loaded(tokenizer):
     """The model, loaded once; engines take turns with it (only one of them runs at a time in these tests)."""
     from handler.engine.loader import LoadOptions, load
 
-    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, "cpu", max_running=8, max_model_len=MAX_MODEL_LEN)
+    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, DEVICE, max_running=8, max_model_len=MAX_MODEL_LEN)
     return load(options, lambda: tokenizer)[0]
 
 

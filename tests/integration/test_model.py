@@ -10,6 +10,7 @@ import torch
 from handler.engine.loader import load_tokenizer
 from handler.engine.model import DecoderModel, build_layout
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
+from tests.integration.conftest import DEVICE
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 
@@ -34,16 +35,18 @@ def prefill(model: DecoderModel, chunks: list[list[int]]) -> torch.Tensor:
     start = 0
     for chunk in chunks:
         layout = build_layout([], [(0, start, len(chunk))], 3, model.device)
-        logits = model.forward(torch.tensor(chunk), torch.arange(start, start + len(chunk)), layout, cache,
-                               torch.arange(len(chunk)))
+        device = model.device
+        positions = torch.arange(start, start + len(chunk), device=device)
+        logits = model.forward(torch.tensor(chunk, device=device), positions, layout, cache,
+                               torch.arange(len(chunk), device=device))
         start += len(chunk)
-    return logits
+    return logits.cpu()
 
 
 def test_model_matches_transformers(prompt_ids):
     from transformers import AutoModelForCausalLM
 
-    ours = prefill(DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu")), [prompt_ids])
+    ours = prefill(DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device(DEVICE)), [prompt_ids])
     reference = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
     with torch.inference_mode():
         theirs = reference(torch.tensor([prompt_ids])).logits[0]
@@ -51,7 +54,7 @@ def test_model_matches_transformers(prompt_ids):
 
 
 def test_int8_rows_do_not_depend_on_their_neighbours(tokenizer, prompt_ids):
-    model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
+    model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))  # int8 is the CPU path
     smooth_and_quantize(model, calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)))
     whole = prefill(model, [prompt_ids])
     split = prefill(model, [prompt_ids[:24], prompt_ids[24:]])  # the shared-prefix cache's path
