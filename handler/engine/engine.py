@@ -189,8 +189,9 @@ class Engine:
                              f"{self.limits.max_model_len} tokens (option.max_model_len), prompt and completion "
                              "together", param="messages")
         if request.n > self.limits.max_running:
-            raise BadRequest(f"n={request.n} is more than the {self.limits.max_running} sequences this server "
-                             "runs at once (option.max_rolling_batch_size)", param="n")
+            raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the "
+                             f"{self.limits.max_running} sequences this server runs at once "
+                             "(option.max_rolling_batch_size)", param="n")
         vocab = self._loaded.vocab_size if self._loaded else None
         for token_id, _bias in request.sampling.logit_bias:
             if vocab is not None and not 0 <= token_id < vocab:
