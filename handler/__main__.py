@@ -49,6 +49,9 @@ def gunicorn_options(environ: dict[str, str], host: str) -> dict:
         "errorlog": "-",
         "backlog": 2048,
         "child_exit": worker_exited,
+        # gunicorn 25+ opens a management socket at one fixed path in $HOME, shared by every server on the machine
+        # (tests and benchmarks run several at once); nothing here uses gunicornc
+        "control_socket_disable": True,
     }
 
 

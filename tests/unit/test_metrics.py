@@ -216,6 +216,10 @@ def test_gunicorn_marks_dead_workers() -> None:
     assert gunicorn_options({}, "127.0.0.1")["child_exit"].__name__ == "worker_exited"
 
 
+def test_gunicorn_opens_no_shared_control_socket() -> None:
+    assert gunicorn_options({}, "127.0.0.1")["control_socket_disable"] is True
+
+
 WORKERS_SCRIPT = textwrap.dedent("""
     import os, sys, types
     from handler.__main__ import worker_exited
