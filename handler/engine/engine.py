@@ -218,16 +218,24 @@ class Engine:
         return self._loaded.runner.cached_prefix_length(prompt_ids)
 
     def _warm_up(self) -> None:
-        """One generation shaped like the largest step: a full prefill chunk, then every slot decoding.
+        """Two generations before /ping says ready: one shaped like a lone chat request (the shared template
+        prefix copied in, a short prefill, one decoding row), then one like the largest step (a full prefill chunk,
+        then every slot decoding).
 
-        The first request then pays no first-call costs, and the allocator already holds the largest working set.
+        The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
+        allocator already holds the largest working set.
         """
+        prefix = self._loaded.runner.prefix_ids
         prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
-        request = GenerationRequest("warm-up", prompt_ids=tuple(range(1, prompt_length + 1)),
-                                    n=self.limits.max_running, stop=StopConditions(max_new_tokens=2, ignore_eos=True))
-        self._scheduler.add(TrackedRequest(request, self._new_sequence))
-        while self._scheduler.has_work:
-            self.step()
+        shapes = [(prefix + tuple(range(1, 9)), 1), (tuple(range(1, prompt_length + 1)), self.limits.max_running)]
+        for prompt_ids, n in shapes:
+            if len(prompt_ids) + 4 > self.limits.max_model_len:
+                continue
+            request = GenerationRequest("warm-up", prompt_ids=prompt_ids, n=n,
+                                        stop=StopConditions(max_new_tokens=4, ignore_eos=True))
+            self._scheduler.add(TrackedRequest(request, self._new_sequence))
+            while self._scheduler.has_work:
+                self.step()
         self._num_sampled = 0  # warm-up tokens are not traffic
 
     def _drain_inbox(self, block: bool) -> None:

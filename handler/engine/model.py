@@ -239,13 +239,14 @@ def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,
-                 device: torch.device) -> StepLayout:
-    """Positions tensor and boolean attention masks (True = may attend) for one step."""
+                 device: torch.device, decode_length: int | None = None) -> StepLayout:
+    """Positions tensor and boolean attention masks (True = may attend) for one step. ``decode_length``: how many
+    cache positions decode attention reads (at least the longest decode row's; the rest are masked out)."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
     decode_mask = None
     if num_decode:
-        keys = torch.arange(max(decode_positions) + 1, device=device)
+        keys = torch.arange(max(max(decode_positions) + 1, decode_length or 0), device=device)
         decode_mask = (keys <= positions[:, None]).view(num_decode, 1, 1, -1)
     masks = []
     for _slot, start, length in prefill_chunks:

@@ -36,6 +36,7 @@ class GatedRunner:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.cache = types.SimpleNamespace(bytes_per_token=8, num_bytes=4096)
+        self.prefix_ids: tuple[int, ...] = ()  # no shared chat-template prefix
         self._open = threading.Event()
         self._open.set()
         self.waiting_at_gate = threading.Event()
