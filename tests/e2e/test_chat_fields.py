@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]  # greedy: "The capital of France is Paris."
 SHORT = 6  # tokens of the capital answer that reach "Paris" and stop before its end, so finish_reason is length
 ANSWER_TOKENS = 8  # the whole greedy capital answer, its EOS included
-REPEAT = [{"role": "user", "content": "Write the word 'hello' ten times, separated by spaces."}]  # repeats tokens
+REPEAT = [{"role": "user", "content": "Repeat after me: la la la la la la la la la la la la"}]  # a repetitive answer
 HOT = 1.5  # a temperature at which this model's samples differ from its greedy answer at once
 TOKENIZER = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct" / "tokenizer.json"
 
@@ -151,7 +151,10 @@ def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI, greedy: Ch
 
 @pytest.fixture(scope="module")
 def greedy_repeat(client: openai.OpenAI) -> str:
-    return text_of(ask(client, REPEAT, max_tokens=8))
+    text = text_of(ask(client, REPEAT, max_tokens=16))
+    words = text.split()
+    assert len(set(words)) < len(words), f"the greedy answer must repeat itself for the test to mean anything: {text!r}"
+    return text
 
 
 @pytest.mark.parametrize("fields", [
@@ -160,7 +163,7 @@ def greedy_repeat(client: openai.OpenAI) -> str:
     {"extra_body": {"repetition_penalty": 1.5}},
 ], ids=["frequency_penalty", "presence_penalty", "repetition_penalty"])
 def test_penalty_changes_a_repetitive_greedy_answer(client: openai.OpenAI, greedy_repeat: str, fields: dict) -> None:
-    assert text_of(ask(client, REPEAT, max_tokens=8, **fields)) != greedy_repeat
+    assert text_of(ask(client, REPEAT, max_tokens=16, **fields)) != greedy_repeat
 
 
 def test_logit_bias_bans_the_greedy_first_token(client: openai.OpenAI, greedy: ChatCompletion) -> None:
