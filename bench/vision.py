@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import http.server
 import io
 import os
 import platform
@@ -42,6 +41,7 @@ from PIL import Image
 from bench.run import start, stop
 from handler.engine.vision import VisionEncoder
 from handler.images import DecodeLimits, FetchPolicy, decode_image_bytes, fetch_image_bytes
+from tests.vision_fixture import ImageServer
 
 SIDE = 1024
 BURST = 16
@@ -68,37 +68,6 @@ def photo_jpeg(seed: int, side: int = SIDE) -> bytes:
 
 def data_uri(jpeg: bytes) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
-
-
-class ImageServer:
-    """A loopback http.server thread serving ``/<i>.jpg`` for each JPEG given."""
-
-    def __init__(self, bodies: list[bytes]) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                try:
-                    body = bodies[int(self.path.strip("/").removesuffix(".jpg"))]
-                except (ValueError, IndexError):
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/jpeg")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, index: int) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{index}.jpg"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 # --- 1. stages ----------------------------------------------------------------------------------------------------

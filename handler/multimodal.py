@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from handler import metrics
 from handler.config import Settings
-from handler.engine.types import PromptEmbeds
 from handler.errors import BadRequest
 from handler.images import DecodeLimits, FetchPolicy, load_image
 from handler.tokenization import ImageRef, PromptRenderer, RenderedPrompt
@@ -67,8 +66,7 @@ class VisionRenderer(PromptRenderer):
             encoded = self.encoder.encode(messages, pictures, low_detail=all(r.detail == "low" for r in images))
         except ValueError as error:
             raise BadRequest(f"the images could not be encoded for this model: {error}", param="messages") from None
-        embeds = PromptEmbeds(tuple(encoded.image_positions), encoded.embeddings) if encoded.image_positions else None
-        return RenderedPrompt(tuple(encoded.prompt_ids), embeds)
+        return RenderedPrompt(tuple(encoded.prompt_ids), encoded.embeds)
 
 
 def _as_parts(message: dict) -> dict:

@@ -14,6 +14,8 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
 
 from __future__ import annotations
 
+import http.server
+import threading
 from pathlib import Path
 
 import torch
@@ -43,6 +45,42 @@ LLAVA_TEMPLATE = (
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
 ]
+
+
+class ImageServer:
+    """A loopback HTTP server on a thread: ``url(i)`` serves ``bodies[i]``; ``hits`` counts the GET requests."""
+
+    def __init__(self, bodies: list[bytes], host: str = "127.0.0.1") -> None:
+        server = self
+        self.hits = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                server.hits += 1
+                try:
+                    body = bodies[int(self.path.strip("/"))]
+                except (ValueError, IndexError):
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png" if body.startswith(b"\x89PNG") else "image/jpeg")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.host = host
+        self.httpd = http.server.ThreadingHTTPServer((host, 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, index: int = 0) -> str:
+        return f"http://{self.host}:{self.httpd.server_address[1]}/{index}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 def build_tiny_vlm(path: Path, architecture: str = "idefics3") -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -115,11 +114,8 @@ def _chunk_embeds(sequence: Sequence, start: int, length: int, first_row: int) -
     embeds = sequence.request.request.prompt_embeds
     if embeds is None:
         return []
-    lo, hi = bisect.bisect_left(embeds.positions, start), bisect.bisect_left(embeds.positions, start + length)
-    if lo == hi:
-        return []
-    rows = [first_row + p - start for p in embeds.positions[lo:hi]]
-    return [(rows, embeds.values[lo:hi])]
+    offsets, values = embeds.in_chunk(start, length)
+    return [([first_row + offset for offset in offsets], values)] if offsets else []
 
 
 def _join_embeds(embeds: list[tuple[list[int], torch.Tensor]], device: torch.device) -> tuple | None:

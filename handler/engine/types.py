@@ -6,6 +6,7 @@ frame those events. Nothing here knows about HTTP or a wire schema, and nothing 
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass, field
 
@@ -74,8 +75,15 @@ class PromptEmbeds:
     """Input embeddings that replace the token embeddings at some prompt positions: a vision model's image
     features at its image-token positions."""
 
-    positions: tuple[int, ...]
+    positions: tuple[int, ...]       # ascending
     values: object                   # torch.Tensor [len(positions), hidden], in the model's dtype
+
+    def in_chunk(self, start: int, length: int) -> tuple[list[int], object]:
+        """The embeddings of prompt positions ``[start, start + length)`` (one prefill chunk; an image may span
+        chunks): their offsets from ``start`` and their values ``[k, hidden]``."""
+        first = bisect.bisect_left(self.positions, start)
+        end = bisect.bisect_left(self.positions, start + length)
+        return [p - start for p in self.positions[first:end]], self.values[first:end]
 
 
 @dataclass(frozen=True, slots=True)

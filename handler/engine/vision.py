@@ -26,7 +26,6 @@ neither of which the container installs: untested); every other VLM.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from handler.engine.model import SUPPORTED_MODEL_TYPES, read_config
+from handler.engine.types import PromptEmbeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +93,10 @@ class MultimodalPrompt:
     image_positions: list[int]
     embeddings: torch.Tensor  # [len(image_positions), text_hidden], the text dtype
 
-    def chunk_embeds(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The image embeddings of prompt positions ``[start, start + length)``, one prefill chunk: offsets from
-        ``start`` ``[k]`` and values ``[k, hidden]``. An image may span chunks; add the chunk's first row in the
-        flat batch to the offsets to get ``DecoderModel.forward``'s ``embeds`` rows."""
-        first = bisect_left(self.image_positions, start)
-        end = bisect_left(self.image_positions, start + length)
-        offsets = torch.tensor(self.image_positions[first:end], dtype=torch.long) - start
-        return offsets, self.embeddings[first:end]
+    @property
+    def embeds(self) -> PromptEmbeds | None:
+        """The image embeddings as the engine takes them (None without images)."""
+        return PromptEmbeds(tuple(self.image_positions), self.embeddings) if self.image_positions else None
 
 
 def is_vision_model(config: dict) -> bool:

@@ -72,8 +72,8 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Ite
     streams = [_DeltaStream(ctx.tool_format) for _ in range(n)]
     finals = []
     for event in events:
-        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-            yield error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))
+        if (failure := failure_record(event)) is not None:
+            yield failure
             return
         logprobs = None
         if ctx.want_logprobs and event.token_id is not None and not event.is_special:
@@ -130,3 +130,10 @@ def _chunk(ctx: FormatContext, index: int, delta: dict, logprobs: dict | None = 
 def error_record(error: ServingError) -> dict:
     """The chat shape of an error: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": error.to_dict()}
+
+
+def failure_record(event: TokenEvent) -> dict | None:
+    """The final error record of an OpenAI-shaped stream when ``event`` ends its choice in failure, else None."""
+    if event.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT):
+        return None
+    return error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))

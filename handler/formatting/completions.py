@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from handler.engine.types import FinishReason, TokenEvent
-from handler.errors import EngineError
-from handler.formatting.chat import SYSTEM_FINGERPRINT, error_record
+from handler.formatting.chat import SYSTEM_FINGERPRINT, failure_record
 from handler.formatting.context import ChoiceResult, FormatContext, best_choices, fold, usage
 
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -42,8 +41,8 @@ def completion_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) 
     offsets = [0] * n  # text_offset: characters of token text so far, per choice
     finals = []
     for event in events:
-        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-            yield error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))
+        if (failure := failure_record(event)) is not None:
+            yield failure
             return
         logprobs = None
         if ctx.want_logprobs and event.token_id is not None:

@@ -9,10 +9,8 @@ proves a refused URL never gets a connection. No traffic leaves the machine.
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import socket
-import threading
 from collections.abc import Iterator
 
 import openai
@@ -21,7 +19,7 @@ import requests
 from PIL import Image
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, build_tiny_vlm
+from tests.vision_fixture import SMOLLM2_DIR, ImageServer, build_tiny_vlm
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 
@@ -36,34 +34,6 @@ def data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-class ImageServer:
-    """A loopback HTTP server that serves one PNG and counts the connections it accepts."""
-
-    def __init__(self, host: str, body: bytes) -> None:
-        counter = self
-        self.hits = 0
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                counter.hits += 1
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.url = f"http://{host}:{self.httpd.server_address[1]}/picture.png"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def can_bind(host: str) -> bool:
     try:
         with socket.socket() as sock:
@@ -75,7 +45,7 @@ def can_bind(host: str) -> bool:
 
 @pytest.fixture(scope="module")
 def images() -> Iterator[ImageServer]:
-    server = ImageServer("127.0.0.1", png_bytes(64, 64, (20, 160, 20)))
+    server = ImageServer([png_bytes(64, 64, (20, 160, 20))])
     yield server
     server.close()
 
@@ -129,7 +99,7 @@ def test_image_tokens_follow_the_image_shape(client: openai.OpenAI) -> None:
 def test_url_image_is_fetched_from_the_allow_listed_loopback_server(client: openai.OpenAI,
                                                                    images: ImageServer) -> None:
     before = images.hits
-    reply = ask(client, image_part(images.url))
+    reply = ask(client, image_part(images.url()))
     assert reply.choices[0].message.content is not None
     assert images.hits == before + 1
 
@@ -164,9 +134,9 @@ def test_bad_images_are_400s_naming_message_and_part(vlm: RunningServer, part: d
 
 @pytest.mark.skipif(not can_bind("127.0.0.2"), reason="no 127.0.0.2 loopback address here")
 def test_a_loopback_host_not_allow_listed_is_refused_before_connecting(vlm: RunningServer) -> None:
-    trap = ImageServer("127.0.0.2", png_bytes(8, 8))
+    trap = ImageServer([png_bytes(8, 8)], host="127.0.0.2")
     try:
-        response = post(vlm, image_part(trap.url))
+        response = post(vlm, image_part(trap.url()))
     finally:
         trap.close()
     assert response.status_code == 400

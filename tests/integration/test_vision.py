@@ -74,7 +74,8 @@ def prefill(
     groups = model.shape.num_heads // model.shape.num_kv_heads
     for start, end in zip(bounds, bounds[1:], strict=False):
         layout = build_layout([], [(0, start, end - start)], groups, CPU)
-        embeds = prompt.chunk_embeds(start, end - start) if with_images else None
+        offsets, values = prompt.embeds.in_chunk(start, end - start)
+        embeds = (torch.tensor(offsets, dtype=torch.long), values) if with_images else None
         logits = model.forward(
             torch.tensor(ids[start:end]),
             torch.arange(start, end),

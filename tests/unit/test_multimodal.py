@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from handler.config import Settings
+from handler.engine.vision import MultimodalPrompt
 from handler.errors import BadRequest
 from handler.multimodal import VisionRenderer, image_loader
 from handler.tokenization import ImageRef
@@ -34,8 +35,7 @@ class FakeEncoder:
         self.calls.append((messages, images, low_detail))
         ids = [5, 6] + [9, 9] * len(images) + [7]
         positions = [i for i, t in enumerate(ids) if t == 9]
-        return type("Prompt", (), {"prompt_ids": ids, "image_positions": positions,
-                                   "embeddings": torch.zeros(len(positions), 4)})()
+        return MultimodalPrompt(ids, positions, torch.zeros(len(positions), 4))
 
 
 class FakeTokenizer:
