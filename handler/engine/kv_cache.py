@@ -4,7 +4,8 @@ One tensor per K and V, ``[layers, slots, kv_heads, capacity, head_dim]``. Each 
 running sequences always occupy slots ``0..n-1`` (the engine moves the last slot into a hole when a sequence
 leaves), so a decode step reads one contiguous block of slots. Capacity in slots and positions grows by doubling
 up to the configured limits and is given back when the engine goes idle, so memory follows the load:
-``2 * layers * kv_heads * head_dim * dtype_size`` bytes per sequence per token of capacity.
+``2 * layers * kv_heads * head_dim * dtype_size`` bytes per sequence per token of capacity. Capacity is a
+whole number of KEY_BLOCKs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import torch
 
 _MIN_SLOTS = 4
 _MIN_LENGTH = 256
+# Attention reads keys in whole blocks of this many positions (``model.build_layout``), so capacity is a multiple.
+KEY_BLOCK = 64
+
+
+def whole_blocks(length: int) -> int:
+    """``length`` rounded up to a multiple of KEY_BLOCK (0 stays 0)."""
+    return -(-length // KEY_BLOCK) * KEY_BLOCK
 
 
 class KVCache:
@@ -20,7 +28,7 @@ class KVCache:
                  max_slots: int, max_len: int) -> None:
         self.dims = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.max_slots, self.max_len = max_slots, max_len
+        self.max_slots, self.max_len = max_slots, whole_blocks(max_len)
         self.keys = self.values = self._empty(0, 0)
 
     def _empty(self, slots: int, length: int) -> torch.Tensor:
@@ -46,10 +54,11 @@ class KVCache:
 
     def ensure(self, num_slots: int, length: int) -> None:
         """Make room for ``num_slots`` slots of ``length`` positions, keeping what is cached."""
+        length = whole_blocks(length)
         if num_slots <= self.num_slots and length <= self.capacity:
             return
         slots = _grow(self.num_slots, num_slots, _MIN_SLOTS, self.max_slots)
-        capacity = _grow(self.capacity, length, _MIN_LENGTH, self.max_len)
+        capacity = whole_blocks(_grow(self.capacity, length, _MIN_LENGTH, self.max_len))
         keys, values = self._empty(slots, capacity), self._empty(slots, capacity)
         old_slots, old_len = self.num_slots, self.capacity
         keys[:, :old_slots, :, :old_len] = self.keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -19,50 +20,111 @@ class DenseLinear:
 
 
 class Int8DynamicLinear:
-    """Per-channel int8 weights with int8 activations quantised per call (fbgemm); fp32 in and out. CPU only.
+    """Per-channel int8 weights, activations quantised per row onto an exact grid (fbgemm's integer GEMM); fp32 in
+    and out. CPU only.
 
-    fbgemm picks one activation scale for the whole input tensor, which would let one row's values change its
-    batch neighbours' rounding (measured: a logit moved by 5.9 when a prompt's prefix was computed alone instead
-    of inside the whole prompt). So each row is mapped affinely onto [-1, 1]: ``x = c + s * x'``, hence
-    ``W x = s * (W x') + c * rowsum(W)``, and one constant sentinel row holding exactly -1 and 1 pins the tensor's
-    range. Every row then quantises with the same parameters whatever else is in the batch (the integer GEMM is
-    exact), so a row's result does not depend on its neighbours, and each row gets its own full range.
+    Why a row cannot depend on its neighbours, on any x86 kernel: each row is mapped affinely onto the integer grid
+    ``q / G - 1`` (``q`` in ``0..levels-1``, ``G = levels / 2``), so ``x ~ c + s * x'`` with per-row ``c`` and
+    ``s``, hence ``W x = s * (W x') + c * rowsum(W)``. ``x'`` is already rounded here, by elementwise torch ops,
+    and a constant sentinel row holding ``-1`` and ``(levels - 1) / G - 1`` makes fbgemm choose exactly scale
+    ``1 / G`` (a power of two) and zero point ``G`` for the whole tensor. Quantising a grid value with a
+    power-of-two scale is exact however the kernel does it (multiply by the inverse or divide, vector body or
+    scalar tail), the integer GEMM is exact (integer sums do not depend on blocking), and the float epilogue is
+    elementwise. The previous design left the rounding to fbgemm and failed on AVX-512.
+
+    ``levels`` is 128 (7-bit activations, ``reduce_range``) where pairs of u8*s8 products are summed into int16
+    (AVX2 without VNNI: 255*128*2 would saturate) and 256 where the kernel is proven exact at load
+    (``activation_levels``: VNNI / AMX machines).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
-            # the same int8 values as torch.quantize_per_channel, in a third of the time (start-up)
-            int8 = torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8)
-            qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        # rowsum of the weights as the kernel sees them (dequantised), so the centre term matches exactly
-        self.row_sums = qweight.dequantize().sum(dim=1)  # [out]
+        self.levels = activation_levels()
+        self.packed, self.row_sums = _pack(weight)
         self.bias = None if bias is None else bias.float()
         self.sentinel = torch.zeros(weight.shape[1])
-        self.sentinel[0], self.sentinel[-1] = -1.0, 1.0
+        self.sentinel[0], self.sentinel[-1] = -1.0, (self.levels - 1) / (self.levels // 2) - 1.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _int8_linear(x, self.packed, self.row_sums, self.sentinel)
+        y = _int8_linear(x, self.packed, self.row_sums, self.sentinel, self.levels)
         return y if self.bias is None else y.add_(self.bias)
+
+
+def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
+    """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
+    centre term ``c * rowsum(W)`` matches the integer product exactly."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
+        # the same int8 values as torch.quantize_per_channel, in a third of the time (start-up)
+        int8 = torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8)
+        qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+    return packed, qweight.dequantize().sum(dim=1)
 
 
 @torch.jit.script
 def _int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, row_sums: torch.Tensor,
-                 sentinel: torch.Tensor) -> torch.Tensor:
+                 sentinel: torch.Tensor, levels: int) -> torch.Tensor:
     """The per-call work of ``Int8DynamicLinear``, scripted: a dozen small ops per call cost ~130 us of Python
     dispatch at batch 1 (more than the GEMM itself); TorchScript runs them for a quarter of that."""
     rows = x.shape[0]
-    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1]
-    centre = (high + low) * 0.5
-    half_range = ((high - low) * 0.5).clamp(min=1e-6)
+    grid = float(levels // 2)
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
+    step = ((high - low) / (levels - 1)).clamp(min=1e-9)
     scaled = torch.empty(rows + 1, x.shape[1], dtype=x.dtype)
-    torch.sub(x, centre, out=scaled[:rows])
-    scaled[:rows].div_(half_range).clamp_(-1.0, 1.0)
+    torch.sub(x, low, out=scaled[:rows])
+    # q = round((x - low) / step) is in 0..levels-1 ((high - low) / step rounds to levels - 1), stored as
+    # (q - G) / G: exactly representable, so every kernel quantises it back to q
+    scaled[:rows].div_(step).round_().sub_(grid).mul_(1.0 / grid)
     scaled[rows].copy_(sentinel)
-    # reduce_range: 7-bit activations avoid int16 saturation in AVX2 kernels (no VNNI on this CPU)
-    y = torch.ops.quantized.linear_dynamic(scaled, packed, True)[:rows]
-    return torch.addcmul(y * half_range, centre, row_sums)
+    y = torch.ops.quantized.linear_dynamic(scaled, packed, levels == 128)[:rows]
+    # x = low + step * q = (low + G * step) + G * step * x'
+    return torch.addcmul(y * (step * grid), low + step * grid, row_sums)
+
+
+_LEVELS: int | None = None
+
+
+def activation_levels() -> int:
+    """256 when fbgemm's full-range u8*s8 GEMM is exact on this CPU (checked once on the worst case: every
+    activation 255 against weights of -128 and 127), else 128. ``LLM_INT8_ACTIVATION_BITS=7`` forces 128."""
+    global _LEVELS
+    if _LEVELS is None:
+        _LEVELS = 128 if os.environ.get("LLM_INT8_ACTIVATION_BITS") == "7" or not _full_range_is_exact() else 256
+    return _LEVELS
+
+
+def _full_range_is_exact() -> bool:
+    k = 256
+    weight = torch.full((16, k), 1.0)
+    weight[8:] = -128.0 / 127.0  # per-channel scale 1/127: int8 weights 127 and -128
+    packed, _ = _pack(weight)
+    expected = torch.tensor([255.0 * 127.0 * (k - 1), -255.0 * 128.0 * (k - 1)]) / (255.0 * 127.0)
+    for rows in (1, 5, 64):  # kernels may differ by batch size
+        x = torch.ones(rows, k)
+        x[:, 0] = 0.0  # range [0, 1]: scale 1/255, every other activation quantises to 255
+        y = torch.ops.quantized.linear_dynamic(x, packed, False)
+        if not torch.allclose(y[:, [0, 8]], expected.expand(rows, 2), rtol=1e-6, atol=0.0):
+            return False
+    return True
+
+
+def describe_cpu() -> str:
+    """One line for the start-up log: the CPU features that decide the int8 kernel, and the path chosen."""
+    flags = _cpu_flags()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f in flags]
+    levels = activation_levels()
+    return (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
+            f"fbgemm u8*s8->s32, {'8' if levels == 256 else '7'}-bit per-row activations on an exact grid")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo", encoding="ascii", errors="replace"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

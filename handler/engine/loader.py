@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,9 +15,12 @@ from tokenizers import Tokenizer
 from handler.engine import vision
 from handler.engine.constraints import GrammarCompiler
 from handler.engine.engine import LoadedModel
+from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +84,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     if options.quantize:
         stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
         smooth_and_quantize(model, stats)
+        log.info(describe_cpu())
     loader.join()
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):

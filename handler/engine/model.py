@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from handler.engine.kv_cache import KVCache
+from handler.engine.kv_cache import KEY_BLOCK, KVCache, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
 
 # model_type values whose checkpoints this module runs: same block, differing only in names we read from config.
@@ -55,14 +55,21 @@ class StepLayout:
     """Where the rows of one flat step batch go.
 
     Rows ``[0, num_decode)`` are one token per cache slot ``0..num_decode-1``; then come the prefill chunks, each
-    ``(slot, start, length)`` with its tokens at consecutive positions. ``decode_mask`` is ``[num_decode, 1, 1, L]``,
-    the ``prefill_masks`` one ``[1, 1, G*length, start+length]`` per chunk (G query heads share a KV head).
+    ``(slot, start, length)`` with its tokens at consecutive positions, cut into ``prefill_blocks`` that never
+    cross a multiple of KEY_BLOCK. ``decode_mask`` is ``[num_decode, 1, 1, L]``, the ``prefill_masks`` one
+    ``[1, 1, G*length, K]`` per block (G query heads share a KV head), K the block's end rounded up to whole
+    KEY_BLOCKs.
+
+    Why blocks: a query's attention is computed over exactly the keys its own position decides (whole blocks up to
+    its block's end), so it is the same number whether its prompt is prefilled whole, in chunks, or after a cached
+    prefix, and whatever else is in the step (measured: keys read up to the chunk's end made a prefix's rows
+    differ between a 24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart).
     """
 
     num_decode: int
     decode_positions: torch.Tensor
     decode_mask: torch.Tensor | None
-    prefill_chunks: list[tuple[int, int, int]]
+    prefill_blocks: list[tuple[int, int, int]]
     prefill_masks: list[torch.Tensor]
 
 
@@ -197,10 +204,10 @@ class DecoderModel:
             cache.write_decode(layer, k[:n], v[:n], layout.decode_positions)
             out[:n] = self._decode_attention(q[:n], layer, layout, cache)
         row = n
-        for (slot, start, length), mask in zip(layout.prefill_chunks, layout.prefill_masks, strict=True):
-            chunk = slice(row, row + length)
-            cache.write_prefill(layer, slot, start, k[chunk], v[chunk])
-            out[chunk] = self._prefill_attention(q[chunk], layer, slot, start + length, mask, cache)
+        for (slot, start, length), mask in zip(layout.prefill_blocks, layout.prefill_masks, strict=True):
+            block = slice(row, row + length)
+            cache.write_prefill(layer, slot, start, k[block], v[block])
+            out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache)
             row += length
         return out
 
@@ -239,18 +246,29 @@ def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,
-                 device: torch.device, decode_length: int | None = None) -> StepLayout:
-    """Positions tensor and boolean attention masks (True = may attend) for one step. ``decode_length``: how many
-    cache positions decode attention reads (at least the longest decode row's; the rest are masked out)."""
+                 device: torch.device) -> StepLayout:
+    """Positions tensor and boolean attention masks (True = may attend) for one step. Decode attention reads the
+    longest decode row's keys rounded up to whole KEY_BLOCKs (the rest are masked out)."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
     decode_mask = None
     if num_decode:
-        keys = torch.arange(max(max(decode_positions) + 1, decode_length or 0), device=device)
+        keys = torch.arange(whole_blocks(max(decode_positions) + 1), device=device)
         decode_mask = (keys <= positions[:, None]).view(num_decode, 1, 1, -1)
+    blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
     masks = []
-    for _slot, start, length in prefill_chunks:
+    for _slot, start, length in blocks:
         query_pos = torch.arange(start, start + length, device=device).repeat(groups)  # (group, t) order
-        keys = torch.arange(start + length, device=device)
+        keys = torch.arange(whole_blocks(start + length), device=device)
         masks.append((keys <= query_pos[:, None]).view(1, 1, groups * length, -1))
-    return StepLayout(num_decode, positions, decode_mask, prefill_chunks, masks)
+    return StepLayout(num_decode, positions, decode_mask, blocks, masks)
+
+
+def _key_blocks(slot: int, start: int, length: int) -> list[tuple[int, int, int]]:
+    """A prefill chunk cut where its positions cross a multiple of KEY_BLOCK."""
+    blocks, end = [], start + length
+    while start < end:
+        stop = min(end, (start // KEY_BLOCK + 1) * KEY_BLOCK)
+        blocks.append((slot, start, stop - start))
+        start = stop
+    return blocks

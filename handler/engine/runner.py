@@ -10,13 +10,6 @@ from handler.engine.model import DecoderModel, build_layout
 from handler.engine.scheduler import SlotMove, StepPlan
 from handler.engine.sequence import Sequence
 
-DECODE_BUCKET = 64
-
-
-def _bucketed(length: int, limit: int) -> int:
-    """``length`` rounded up to a multiple of DECODE_BUCKET, at most ``limit`` (0 stays 0)."""
-    return min(-(-length // DECODE_BUCKET) * DECODE_BUCKET, max(limit, length))
-
 
 @dataclass(slots=True)
 class StepOutput:
@@ -74,15 +67,14 @@ class ModelRunner:
             if start + length == sequence.num_prompt_tokens:
                 logit_rows.append(row - 1)
                 sequences.append(sequence)
-        # decode attention reads a whole number of DECODE_BUCKET positions, so its shapes repeat: on CUDA each
-        # new key length cost ~80 ms the first time (a first 64-token answer took 6.2 s, the next 1.8 s)
-        decode_length = _bucketed(max(positions[: len(plan.decode)], default=-1) + 1, self.cache.max_len)
-        self.cache.ensure(len(plan.decode), max(max(p + 1 for p in positions), decode_length))
+        # attention reads whole key blocks (the cache rounds up to them): a row's result then does not depend on
+        # how long its neighbours are, and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
+        self.cache.ensure(len(plan.decode), max(p + 1 for p in positions))
         for sequence, start, _length in plan.prefill:
             if start and start == sequence.num_cached_prefix:  # first chunk after the shared prefix
                 self.cache.load(sequence.slot, *self.prefix_kv)
         device = self.model.device
-        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device, decode_length)
+        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device)
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                                     layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device),
                                     _join_embeds(embeds, device))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from handler.engine.linear import _cpu_flags, activation_levels, describe_cpu
 from handler.engine.loader import load_tokenizer
 from handler.engine.model import DecoderModel, build_layout
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
@@ -53,10 +57,65 @@ def test_model_matches_transformers(prompt_ids):
     assert torch.allclose(ours, theirs, atol=1e-3), (ours - theirs).abs().max()
 
 
-def test_int8_rows_do_not_depend_on_their_neighbours(tokenizer, prompt_ids):
+@pytest.fixture(scope="module")
+def int8_model(tokenizer) -> DecoderModel:
     model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))  # int8 is the CPU path
     smooth_and_quantize(model, calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)))
-    whole = prefill(model, [prompt_ids])
-    split = prefill(model, [prompt_ids[:24], prompt_ids[24:]])  # the shared-prefix cache's path
+    return model
+
+
+def test_int8_rows_do_not_depend_on_their_neighbours(int8_model, tokenizer, prompt_ids):
+    whole = prefill(int8_model, [prompt_ids])
+    split = prefill(int8_model, [prompt_ids[:24], prompt_ids[24:]])  # the shared-prefix cache's path
     assert torch.equal(whole[24:], split)
     assert tokenizer.decode([int(whole[-1].argmax())]).strip()
+
+
+def test_int8_decode_row_does_not_depend_on_its_neighbours(int8_model, prompt_ids):
+    """One decode row alone, then beside a much longer sequence's decode row (more keys read) and a prefill chunk
+    of a third prompt in the same step: its logits are the same bits."""
+    model, n = int8_model, len(prompt_ids)
+    long_ids = (prompt_ids * 8)[:150]
+    cache = model.new_cache(3, 256)
+    cache.ensure(3, 256)
+    layout = build_layout([], [(0, 0, n), (1, 0, len(long_ids))], 3, model.device)
+    positions = torch.tensor(list(range(n)) + list(range(len(long_ids))))
+    model.forward(torch.tensor(prompt_ids + long_ids), positions, layout, cache, torch.tensor([0]))
+    token = prompt_ids[-1]
+
+    def decode(positions: list[int], tokens: list[int], chunks: list[tuple[int, int, int]], extra: list[int]):
+        layout = build_layout(positions, chunks, 3, model.device)
+        all_positions = positions + [p for _slot, start, length in chunks for p in range(start, start + length)]
+        return model.forward(torch.tensor(tokens + extra), torch.tensor(all_positions), layout, cache,
+                             torch.tensor([0]))[0]
+
+    alone = decode([n], [token], [], [])
+    crowded = decode([n, len(long_ids)], [token, long_ids[-1]], [(2, 0, 40)], long_ids[:40])
+    assert torch.equal(alone, crowded), (alone - crowded).abs().max()
+
+
+def test_int8_invariance_holds_on_avx2_kernels_too():
+    """The same checks with every kernel library held to AVX2 (no VNNI, no AVX-512), so CI proves both paths on
+    whichever CPU it has: fbgemm, ATen's vector kernels, MKL and oneDNN each honour their variable."""
+    if "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2",
+               MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", ENGINE_TEST_DEVICE="cpu")
+    tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
+             f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
+             f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+
+
+def test_avx2_kernels_take_the_7_bit_path():
+    """Held to AVX2, the load-time probe finds full-range u8*s8 products saturating and picks 7-bit activations;
+    on a VNNI CPU left alone it picks 8 bits. Either way the line logged at start names the path."""
+    levels = activation_levels()
+    if os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2":
+        assert levels == 128
+    elif {"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags() and "LLM_INT8_ACTIVATION_BITS" not in os.environ:
+        assert levels == 256
+    assert f"{'8' if levels == 256 else '7'}-bit per-row activations" in describe_cpu()

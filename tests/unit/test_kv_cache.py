@@ -38,9 +38,9 @@ def test_ensure_doubles_and_respects_limits() -> None:
     c.ensure(5, 300)
     assert (c.num_slots, c.capacity) == (6, 512)  # 8 slots capped at 6; 512 positions
     c.ensure(6, 513)
-    assert (c.num_slots, c.capacity) == (6, 600)  # 1024 capped at 600
+    assert (c.num_slots, c.capacity) == (6, 640)  # 1024 capped at 600, rounded up to whole key blocks of 64
     c.ensure(2, 100)                               # never shrinks
-    assert (c.num_slots, c.capacity) == (6, 600)
+    assert (c.num_slots, c.capacity) == (6, 640)
 
 
 def test_growth_keeps_contents() -> None:
