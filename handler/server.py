@@ -132,10 +132,11 @@ class Routes:
         self._note(bool(parsed.stream), body.get("messages"))
         generation = extras.apply(parsed.to_generation_request(self._renderer(), self.service.default_temperature))
         handle = self._submit(generation)
+        plan = parsed.output_plan(self._renderer())
         ctx = self._context(generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                             keep_best=parsed.n if parsed.best_of else None,
-                            tool_format=parsed.output_plan(self._renderer()).tool_format)
+                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
         if not parsed.stream:
             try:
                 return json_response(chat_format.chat_completion(handle, generation.n, ctx))

@@ -53,7 +53,7 @@ def _message(text: str, reason: FinishReason, ctx: FormatContext) -> tuple[dict,
     """``message`` and ``finish_reason`` of one choice; with tools, calls are parsed out of the text."""
     if ctx.tool_format is None:
         return {"role": "assistant", "content": text}, FINISH_REASONS[reason]
-    parsed = tool_calls.parse_tool_calls(text, ctx.tool_format)
+    parsed = tool_calls.parse_tool_calls(text, ctx.tool_format, calls_only=ctx.tool_calls_only)
     message = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.calls]
@@ -69,7 +69,7 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Ite
     per choice."""
     for index in range(n):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""})
-    streams = [_DeltaStream(ctx.tool_format) for _ in range(n)]
+    streams = [_DeltaStream(ctx.tool_format, ctx.tool_calls_only) for _ in range(n)]
     finals = []
     for event in events:
         if (failure := failure_record(event)) is not None:
@@ -95,8 +95,8 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Ite
 class _DeltaStream:
     """One choice's text as chunk deltas: content as it comes, or, with tools, content and whole tool calls."""
 
-    def __init__(self, tool_format: str | None) -> None:
-        self._parser = tool_calls.ToolCallStream(tool_format) if tool_format else None
+    def __init__(self, tool_format: str | None, calls_only: bool) -> None:
+        self._parser = tool_calls.ToolCallStream(tool_format, calls_only=calls_only) if tool_format else None
         self.num_calls = 0
 
     def push(self, text: str, *, is_last: bool) -> list[dict]:

@@ -24,6 +24,7 @@ class FormatContext:
     keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
     suffix: str = ""                     # completions: appended to every completion
     tool_format: str | None = None       # chat: parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # chat: a forced call, so no content (a call cut by max_tokens is dropped)
 
 
 @dataclass(slots=True)

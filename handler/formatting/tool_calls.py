@@ -296,10 +296,15 @@ class ToolCallStream:
     whitespace is held until text follows it, so the joined content comes out stripped, as
     ``parse_tool_calls`` gives it. A call is released when its unit closes (``</tool_call>``, the end of the
     JSON value) or at ``finish()``, where whatever is undecided becomes content: nothing is lost.
+
+    ``calls_only``: the output was forced to be calls (tool_choice required or named), so nothing is content;
+    what is left at ``finish()`` is a call that ``max_tokens`` cut off, and it is dropped rather than shown as
+    markup (``finish_reason`` is ``length`` then).
     """
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, *, calls_only: bool = False) -> None:
         self._format = FORMATS[check_format(fmt)]
+        self._calls_only = calls_only
         self._buffer = ""  # text not yet released
         self._prefix = ""  # text consumed before the current unit; content again if the unit is no call
         self._scanned = 0  # JSON units: no complete value in the buffer up to here
@@ -417,6 +422,8 @@ class ToolCallStream:
         return True
 
     def _content(self, text: str) -> None:
+        if self._calls_only:
+            return
         text = self._held_space + text if self._has_content else text.lstrip()
         body = text.rstrip()
         self._held_space = text[len(body) :]
@@ -435,10 +442,10 @@ class ToolCallStream:
         return merged
 
 
-def parse_tool_calls(text: str, fmt: str) -> ParsedMessage:
+def parse_tool_calls(text: str, fmt: str, *, calls_only: bool = False) -> ParsedMessage:
     """Split a whole completion into content and calls; never raises on model output (ValueError on ``fmt``)."""
-    stream = ToolCallStream(fmt)
+    stream = ToolCallStream(fmt, calls_only=calls_only)
     deltas = stream.push(text) + stream.finish()
     calls = [d.call for d in deltas if isinstance(d, CallDelta)]
     content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
-    return ParsedMessage(content or (None if calls else ""), calls)
+    return ParsedMessage(content or (None if calls or calls_only else ""), calls)

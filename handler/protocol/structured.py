@@ -76,6 +76,7 @@ class OutputPlan:
     tools: tuple[dict, ...] = ()  # the tool definitions shown to the model (OpenAI shape)
     tool_format: str | None = None  # parse tool calls out of the text in this format (None: do not parse)
     marker_id: int | None = None  # the format's opener as one special token: kept in the output text
+    calls_only: bool = False  # a forced call: the output is calls and nothing else (a cut-off call is dropped)
 
 
 def plan_output(
@@ -104,11 +105,13 @@ def plan_output(
             f"response_format cannot be combined with a forced tool call (tool_choice {_choice_name(choice)})",
             param="response_format",
         )
+    # OpenAI: "required" calls one or more functions; a named function is called exactly once
     forced = definitions if choice == "required" else [_named(definitions, choice.function.name)]
-    parallel = parallel_tool_calls is not False
+    parallel = choice == "required" and parallel_tool_calls is not False
     source = tool_calls.call_grammar(list(forced), tool_format, parallel=parallel, marker_token_id=marker_id)
     grammar = GrammarSpec("lark", source, "tool_choice")
-    return OutputPlan(grammar=grammar, tools=definitions, tool_format=tool_format, marker_id=marker_id)
+    return OutputPlan(grammar=grammar, tools=definitions, tool_format=tool_format, marker_id=marker_id,
+                      calls_only=True)
 
 
 def _response_grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:

@@ -4,6 +4,7 @@ extensions); ``requests`` where the raw bytes matter. Greedy unless a test sampl
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -149,21 +150,71 @@ def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI, greedy: Ch
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-@pytest.fixture(scope="module")
-def greedy_repeat(client: openai.OpenAI) -> str:
-    text = text_of(ask(client, REPEAT, max_tokens=16))
-    words = text.split()
-    assert len(set(words)) < len(words), f"the greedy answer must repeat itself for the test to mean anything: {text!r}"
-    return text
+def steps(completion: ChatCompletion) -> list[tuple[str, dict[str, float]]]:
+    """Per generated token: the token, and the logprobs of the top alternatives it was chosen from."""
+    return [(e.token, {t.token: t.logprob for t in e.top_logprobs}) for e in completion.choices[0].logprobs.content]
 
 
-@pytest.mark.parametrize("fields", [
-    {"frequency_penalty": 2.0},
-    {"presence_penalty": 2.0},
-    {"extra_body": {"repetition_penalty": 1.5}},
-], ids=["frequency_penalty", "presence_penalty", "repetition_penalty"])
-def test_penalty_changes_a_repetitive_greedy_answer(client: openai.OpenAI, greedy_repeat: str, fields: dict) -> None:
-    assert text_of(ask(client, REPEAT, max_tokens=16, **fields)) != greedy_repeat
+def prompt_tokens(messages: list[dict]) -> set[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER.parent)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return {tokenizer.decode([i]) for i in tokenizer.encode(ids, add_special_tokens=False)}
+
+
+def compared_steps(client: openai.OpenAI, **penalty):
+    """The steps of the greedy REPEAT answer with and without the penalty, while both have written the same tokens
+    (so both distributions come from the same history): ``(history, plain top, penalised top)``. The answer repeats
+    itself, so penalised tokens turn up among the alternatives; what is checked does not hinge on which tokens a
+    CPU's rounding makes the greedy ones."""
+    plain = steps(ask(client, REPEAT, max_tokens=12, logprobs=True, top_logprobs=20))
+    penalised = steps(ask(client, REPEAT, max_tokens=12, logprobs=True, top_logprobs=20, **penalty))
+    history: list[str] = []
+    for (token, plain_top), (other, penalised_top) in zip(plain, penalised):  # shorter one ends it
+        yield list(history), plain_top, penalised_top
+        if token != other:
+            return
+        history.append(token)
+
+
+@pytest.mark.parametrize("field", ["frequency_penalty", "presence_penalty"])
+def test_penalty_lowers_generated_tokens_by_the_documented_amount(client: openai.OpenAI, field: str) -> None:
+    """OpenAI's definition: a token's logit drops by frequency_penalty * (times it was generated) and by
+    presence_penalty once it was generated at all; the prompt does not count. The returned logprobs are those of
+    the distribution sampled from, so between two alternatives the log-ratio moves by the difference."""
+    value = 2.0
+    penalty = {"frequency_penalty": lambda n: value * n, "presence_penalty": lambda n: value * (n > 0)}[field]
+    moved = 0
+    for history, plain_top, penalised_top in compared_steps(client, **{field: value}):
+        common = sorted(plain_top.keys() & penalised_top.keys())
+        for a, b in itertools.combinations(common, 2):
+            expected = penalty(history.count(a)) - penalty(history.count(b))
+            observed = (plain_top[a] - plain_top[b]) - (penalised_top[a] - penalised_top[b])
+            assert abs(observed - expected) < 1e-3, (history, a, b, observed, expected)
+            moved += expected != 0
+    assert moved, "no penalised token was among the alternatives: the test checked nothing"
+
+
+def test_repetition_penalty_lowers_every_seen_token(client: openai.OpenAI) -> None:
+    """HF / vLLM's definition: a token seen in the prompt or the output has its logit divided by the penalty when
+    positive, multiplied when negative; unseen tokens keep theirs. So against an unseen alternative a seen token
+    always loses ground, and two unseen ones keep their ratio."""
+    prompt = prompt_tokens(REPEAT)
+    lowered = 0
+    for history, plain_top, penalised_top in compared_steps(client, extra_body={"repetition_penalty": 1.5}):
+        seen = prompt | set(history)
+        common = plain_top.keys() & penalised_top.keys()
+        unseen = sorted(common - seen)
+        for b in unseen:
+            for a in sorted(common):
+                shift = (plain_top[a] - plain_top[b]) - (penalised_top[a] - penalised_top[b])
+                if a in seen:
+                    assert shift > 1e-3, (history, a, b, shift)
+                    lowered += 1
+                else:
+                    assert abs(shift) < 1e-3, (history, a, b, shift)
+    assert lowered, "no seen token was among the alternatives: the test checked nothing"
 
 
 def test_logit_bias_bans_the_greedy_first_token(client: openai.OpenAI, greedy: ChatCompletion) -> None:

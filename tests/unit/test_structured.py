@@ -75,6 +75,16 @@ def test_parallel_tool_calls_false_allows_one_call() -> None:
     assert one != many
 
 
+def test_a_named_function_is_called_exactly_once_and_forced_output_is_calls_only() -> None:
+    """OpenAI: tool_choice "required" is one or more calls, a named function exactly one."""
+    one = plan_output(None, tools(WEATHER), "required", False, "hermes").grammar.source
+    for parallel in (None, True, False):
+        plan = plan_output(None, tools(WEATHER), named("get_weather"), parallel, "hermes")
+        assert plan.grammar.source == one and plan.calls_only
+    assert plan_output(None, tools(WEATHER), "required", None, "hermes").calls_only
+    assert not plan_output(None, tools(WEATHER), "auto", None, "hermes").calls_only
+
+
 @pytest.mark.parametrize(("args", "param"), [
     ((None, None, "required", None), "tool_choice"),
     ((None, tools(WEATHER), named("nope"), None), "tool_choice.function.name"),

@@ -481,3 +481,15 @@ def test_rendered_history_calls_parse_back(fmt: str) -> None:
     parsed = parse_tool_calls(render_calls(history, fmt), fmt)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "Oslo"}),
                                                                          ("get_time", {})]
+
+
+@pytest.mark.parametrize("cut", ["", "<tool_call>\n{\"name\":", "<tool_", "\n<tool_call>\n{\"name\": \"get_weather\", \"a"])
+def test_forced_output_drops_a_call_cut_by_max_tokens(cut: str) -> None:
+    """Forced output is calls only: what max_tokens cut off is dropped, never shown as markup in content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' + cut
+    parsed = parse_tool_calls(text, HERMES, calls_only=True)
+    assert parsed.content is None and [c.name for c in parsed.calls] == ["get_weather"]
+    assert parse_tool_calls(cut, HERMES, calls_only=True).content is None
+    stream = ToolCallStream(HERMES, calls_only=True)
+    deltas = [d for piece in text for d in stream.push(piece)] + stream.finish()
+    assert all(isinstance(d, CallDelta) for d in deltas) and len(deltas) == 1
