@@ -216,8 +216,7 @@ class DecoderModel:
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.view(layer, 0, n, layout.decode_mask.shape[-1])  # [n, kv_heads, L, head_dim]
         # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        out = F.scaled_dot_product_attention(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values,
-                                             attn_mask=layout.decode_mask)
+        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, layout.decode_mask)
         return out.reshape(n, s.num_heads * s.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: int, length: int, mask: torch.Tensor,
@@ -226,9 +225,22 @@ class DecoderModel:
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.view(layer, slot, slot + 1, length)  # [1, kv_heads, length, head_dim]
         q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
-        out = F.scaled_dot_product_attention(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values,
-                                             attn_mask=mask)
+        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d) + mask) v``; ``mask`` is 0 where a query may attend, -inf elsewhere.
+
+    On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
+    by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
+    threads: 1 row against 3 differed by 6e-8, which int8 turned into a different logprob 12 tokens later). Here
+    no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
+    value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype))
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, keys.transpose(-1, -2)).add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
 @torch.jit.script
@@ -247,21 +259,26 @@ def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,
                  device: torch.device) -> StepLayout:
-    """Positions tensor and boolean attention masks (True = may attend) for one step. Decode attention reads the
-    longest decode row's keys rounded up to whole KEY_BLOCKs (the rest are masked out)."""
+    """Positions tensor and attention masks (0 where a query may attend, -inf elsewhere) for one step. Decode
+    attention reads the longest decode row's keys rounded up to whole KEY_BLOCKs (the rest are masked out)."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
     decode_mask = None
     if num_decode:
         keys = torch.arange(whole_blocks(max(decode_positions) + 1), device=device)
-        decode_mask = (keys <= positions[:, None]).view(num_decode, 1, 1, -1)
+        decode_mask = _additive(keys <= positions[:, None]).view(num_decode, 1, 1, -1)
     blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
     masks = []
     for _slot, start, length in blocks:
         query_pos = torch.arange(start, start + length, device=device).repeat(groups)  # (group, t) order
         keys = torch.arange(whole_blocks(start + length), device=device)
-        masks.append((keys <= query_pos[:, None]).view(1, 1, groups * length, -1))
+        masks.append(_additive(keys <= query_pos[:, None]).view(1, 1, groups * length, -1))
     return StepLayout(num_decode, positions, decode_mask, blocks, masks)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the float mask attention adds to its scores: 0 or -inf."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(allowed.logical_not(), float("-inf"))
 
 
 def _key_blocks(slot: int, start: int, length: int) -> list[tuple[int, int, int]]:

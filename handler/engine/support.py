@@ -1,0 +1,116 @@
+"""What the lean engine implements, checked from ``config.json`` and the tensor names before any weight is loaded.
+
+The lean model (``model.py``) is one block: pre-norm RMSNorm (``x * w``), attention with rotary embeddings in the
+``rotate_half`` layout over the whole head, optional q/k/v and o biases, a SiLU-gated MLP without biases, every
+layer attending to every earlier position. A checkpoint that needs anything else would run and answer wrongly, so
+it is refused instead, with the reason: the model type, a config feature, or a tensor the lean model would not read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from safetensors import safe_open
+
+# model_type values whose checkpoints are this block, differing only in names read from the config
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
+# nothing up to max_position_embeddings, which bounds our context)
+LEAN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                  "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_OPTIONAL_LAYER_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                           "self_attn.o_proj.bias")
+
+
+class UnsupportedModel(ValueError):
+    """The lean engine does not implement this checkpoint; the message is one line naming why."""
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """Every tensor name in the folder's safetensors files (headers only: no weight is read)."""
+    names: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def check_lean(config: dict, names: Iterable[str] | None, max_model_len: int) -> None:
+    """Raise ``UnsupportedModel`` unless the lean engine computes exactly what transformers does for this config
+    (and these tensor names, when given) up to ``max_model_len`` positions."""
+    reasons = unsupported_features(config, max_model_len)
+    if not reasons and names is not None:
+        reasons = _tensor_problems(config, set(names))
+    if reasons:
+        raise UnsupportedModel(f"model_type {config.get('model_type')!r}: the lean engine does not implement "
+                               + "; ".join(reasons))
+
+
+def check_lean_folder(model_dir: Path, max_model_len: int) -> None:
+    check_lean(json.loads((model_dir / "config.json").read_text()), tensor_names(model_dir), max_model_len)
+
+
+def unsupported_features(config: dict, max_model_len: int) -> list[str]:
+    """Why the lean engine cannot run this config exactly; empty when it can."""
+    model_type = config.get("model_type")
+    if model_type not in LEAN_MODEL_TYPES:
+        return [f"this model type (it runs {', '.join(LEAN_MODEL_TYPES)})"]
+    reasons = []
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "?")
+        reasons.append(f"pre-quantised weights (quantization_config {method})")
+    if (act := config.get("hidden_act", "silu")) != "silu":
+        reasons.append(f"hidden_act {act!r} (only silu)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope_type := rope.get("rope_type", rope.get("type", "default"))) not in LEAN_ROPE_TYPES:
+        reasons.append(f"rope_type {rope_type!r} (it runs {', '.join(LEAN_ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        reasons.append(f"partial_rotary_factor {partial}")
+    if config.get("mlp_bias"):
+        reasons.append("mlp_bias")
+    if (window := sliding_window(config)) is not None and window < max_model_len:
+        reasons.append(f"sliding_window {window} (exact only up to that many positions: set "
+                       f"option.max_model_len to at most {window}, now {max_model_len})")
+    return reasons
+
+
+def sliding_window(config: dict) -> int | None:
+    """The attention window some layer uses, or None when every layer sees every earlier position."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+        return None
+    return window
+
+
+def _tensor_problems(config: dict, names: set[str]) -> list[str]:
+    layers = config.get("num_hidden_layers", 0)
+    required = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.get("tie_word_embeddings", False):
+        required.add("lm_head.weight")
+    known = required | {"lm_head.weight"}
+    for i in range(layers):
+        required |= {f"model.layers.{i}.{n}" for n in _LAYER_TENSORS}
+        known |= {f"model.layers.{i}.{n}" for n in _LAYER_TENSORS + _OPTIONAL_LAYER_TENSORS}
+        biases = {f"model.layers.{i}.{n}" for n in _OPTIONAL_LAYER_TENSORS[:3]} & names
+        if biases and len(biases) != 3:
+            return [f"q/k/v biases on only some projections of layer {i}"]
+    reasons = []
+    if missing := sorted(required - names):
+        reasons.append(f"a checkpoint without {_some(missing)}")
+    if extra := sorted(n for n in names - known if not n.endswith("rotary_emb.inv_freq")):
+        reasons.append(f"tensors it would not read: {_some(extra)}")
+    return reasons
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
