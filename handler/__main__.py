@@ -28,7 +28,9 @@ import tempfile
 from pathlib import Path
 
 from handler.config import Settings, load_settings
+from handler.djl import find_entry_point
 from handler.errors import ConfigError
+from handler.preflight import preflight
 
 _LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical"}
 
@@ -121,6 +123,13 @@ def release_load_garbage() -> None:
         return
 
 
+def stop_on_load_failure(reason: str) -> None:
+    """A model that failed to load never will: say why in one line and exit with gunicorn's boot-error code, which
+    stops the whole server (exit 3) instead of answering /ping with 503 for ever."""
+    print(f"error: the model failed to load: {reason}", file=sys.stderr, flush=True)
+    os._exit(3)  # gunicorn.arbiter.Arbiter.WORKER_BOOT_ERROR
+
+
 def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
     from handler.lifecycle import Drain
@@ -129,7 +138,8 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
-    service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage)
+    service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage,
+                           on_load_failed=stop_on_load_failure)
     drain = Drain(grace_s)
     drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
@@ -145,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
+        if find_entry_point(settings.model_dir, settings.entryPoint) is None:  # a user's model.py may serve it
+            preflight(settings)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -14,13 +14,10 @@ from handler.djl import UserHandler, find_entry_point
 from handler.engine.engine import Engine, EngineLimits, LoadedModel
 from handler.errors import ConfigError
 from handler.multimodal import VisionRenderer, image_loader
+from handler.preflight import context_length
 from handler.tokenization import PromptRenderer
 
 log = logging.getLogger(__name__)
-
-# Without a setting, the context is the model's own, capped so one sequence's KV cache stays modest.
-_DEFAULT_CONTEXT_CAP = 8192
-
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
@@ -47,12 +44,7 @@ def engine_limits(settings: Settings) -> EngineLimits:
         from handler.engine.vision import text_config
 
         config = text_config(config)
-    model_max = config.get("max_position_embeddings") or _DEFAULT_CONTEXT_CAP
-    max_len = settings.max_model_len or min(model_max, _DEFAULT_CONTEXT_CAP)
-    if max_len > model_max:
-        raise ConfigError(f"option.max_model_len={max_len} is more than the model's max_position_embeddings "
-                          f"({model_max})")
-    return EngineLimits(max_running=settings.max_rolling_batch_size, max_model_len=max_len,
+    return EngineLimits(max_running=settings.max_rolling_batch_size, max_model_len=context_length(settings, config),
                         max_step_tokens=max(settings.max_num_batched_tokens, settings.max_rolling_batch_size + 1))
 
 
@@ -67,11 +59,12 @@ class ModelService:
     """The engine, and the prompt renderer the protocol layer uses; both ready once the model has loaded."""
 
     def __init__(self, settings: Settings, num_threads: int | None = None,
-                 on_loaded: Callable[[], None] = lambda: None) -> None:
+                 on_loaded: Callable[[], None] = lambda: None,
+                 on_load_failed: Callable[[str], None] = lambda reason: None) -> None:
         self.settings = settings
         self.model_name = settings.model_dir.name
         self.renderer: PromptRenderer | None = None
-        self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded)
+        self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded, on_failed=on_load_failed)
         self._num_threads = num_threads
         self._on_loaded = on_loaded
         entry_point = find_entry_point(settings.model_dir, settings.entryPoint)

@@ -96,9 +96,11 @@ class LoadedModel:
 
 class Engine:
     def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits,
-                 on_ready: Callable[[], None] = lambda: None) -> None:
+                 on_ready: Callable[[], None] = lambda: None,
+                 on_failed: Callable[[str], None] = lambda reason: None) -> None:
         self._load = load
         self._on_ready = on_ready
+        self._on_failed = on_failed
         self.limits = limits
         self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
         self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._cached_prefix_length)
@@ -202,9 +204,10 @@ class Engine:
     def _main(self) -> None:
         try:
             self._loaded = self._load()
-        except Exception as error:  # reported by /ping staying 503 and in the log; the process keeps serving 503s
+        except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
             self.load_error = f"{type(error).__name__}: {error}"
             log.exception("model load failed")
+            self._on_failed(self.load_error)
             return
         self._warm_up()
         self._on_ready()

@@ -19,6 +19,7 @@ from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.runner import ModelRunner
+from handler.engine.support import check_lean, rope_type, tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,14 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     import and load, so it loads on another thread while the weights load and quantise; calibration only needs
     the fast tokenizer. Returns the loaded model and the transformers tokenizer."""
     result: dict[str, object] = {}
+    config = read_config(options.model_dir)
+    if needs_transformers(config):
+        _import_transformers()
     loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
                               name="tokenizer-load", daemon=True)
     loader.start()
     device = torch.device(options.device)
-    model, encoder = _load_model(options.model_dir, DTYPES[options.dtype], device)
+    model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
     if options.quantize:
         stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
         smooth_and_quantize(model, stats)
@@ -100,12 +104,29 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     return loaded, tokenizer
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, object | None]:
-    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``)."""
-    config = read_config(model_dir)
+def needs_transformers(config: dict) -> bool:
+    """Whether loading this model imports transformers on the loading thread (scaled RoPE tables, a VLM)."""
+    return vision.is_vision_model(config) or rope_type(config) != "default"
+
+
+def _import_transformers() -> None:
+    """Import what the loading thread will use from transformers before the tokenizer thread starts: two threads
+    importing transformers at once failed (``ImportError: cannot import name 'AutoConfig' from 'transformers'``
+    for a Llama 3.1-style checkpoint), so one thread imports it first and the other finds it imported."""
+    from transformers import CONFIG_MAPPING, AutoConfig  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+
+def _load_model(model_dir: Path, config: dict, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> tuple[DecoderModel, object | None]:
+    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``). What the
+    lean engine does not implement is refused (``support``) before any weight is read."""
     if not vision.is_vision_model(config):
-        return DecoderModel(model_dir, dtype=dtype, device=device), None
-    model = DecoderModel(model_dir, dtype=dtype, device=device, config=vision.text_config(config),
+        check_lean(config, tensor_names(model_dir), max_model_len)
+        return DecoderModel(model_dir, dtype=dtype, device=device, config=config), None
+    text = vision.text_config(config)
+    vision.check_text_model(text, max_model_len)
+    model = DecoderModel(model_dir, dtype=dtype, device=device, config=text,
                          state=vision.text_state_dict(load_state_dict(model_dir), config))
     return model, vision.VisionEncoder.load(model_dir, dtype, device)
 

@@ -23,9 +23,7 @@ from safetensors import safe_open
 
 from handler.engine.kv_cache import KEY_BLOCK, KVCache, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
-
-# model_type values whose checkpoints this module runs: same block, differing only in names we read from config.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from handler.engine.support import rope_type
 
 
 @dataclass(slots=True)
@@ -151,7 +149,7 @@ class DecoderModel:
         Plain RoPE is computed here (importing transformers' model code costs a second of start-up); every scaled
         variant comes from transformers' own rotary module."""
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
+        if rope_type(config) == "default":
             theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
             dim = self.shape.head_dim
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

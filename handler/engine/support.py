@@ -30,11 +30,17 @@ class UnsupportedModel(ValueError):
     """The lean engine does not implement this checkpoint; the message is one line naming why."""
 
 
+def rope_type(config: dict) -> str:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def tensor_names(model_dir: Path) -> set[str]:
-    """Every tensor name in the folder's safetensors files (headers only: no weight is read)."""
+    """Every tensor name in the folder's safetensors files (headers only: no weight is read, torch not imported,
+    so the server's master process can check a folder before it starts a worker)."""
     names: set[str] = set()
     for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="numpy") as handle:
             names.update(handle.keys())
     return names
 
@@ -66,8 +72,8 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
     if (act := config.get("hidden_act", "silu")) != "silu":
         reasons.append(f"hidden_act {act!r} (only silu)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if (rope_type := rope.get("rope_type", rope.get("type", "default"))) not in LEAN_ROPE_TYPES:
-        reasons.append(f"rope_type {rope_type!r} (it runs {', '.join(LEAN_ROPE_TYPES)})")
+    if (kind := rope_type(config)) not in LEAN_ROPE_TYPES:
+        reasons.append(f"rope_type {kind!r} (it runs {', '.join(LEAN_ROPE_TYPES)})")
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial}")

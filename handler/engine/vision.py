@@ -33,7 +33,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from handler.engine.model import SUPPORTED_MODEL_TYPES, read_config
+from handler.engine.model import read_config
+from handler.engine.support import LEAN_MODEL_TYPES, UnsupportedModel, unsupported_features
 from handler.engine.types import PromptEmbeds
 
 
@@ -125,13 +126,21 @@ def text_config(config: dict) -> dict:
 
     full = CONFIG_MAPPING[config["model_type"]].from_dict(config)  # as from_pretrained reads config.json
     text = full.get_text_config(decoder=True).to_dict()
-    if text.get("model_type") not in SUPPORTED_MODEL_TYPES:
+    if text.get("model_type") not in LEAN_MODEL_TYPES:
         raise ValueError(
             f"{config['model_type']} with a {text.get('model_type')!r} language model is not supported; "
-            f"the language model must be one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"the language model must be one of {', '.join(LEAN_MODEL_TYPES)}"
         )
     text["tie_word_embeddings"] = bool(getattr(full, "tie_word_embeddings", False))
     return text
+
+
+def check_text_model(text: dict, max_model_len: int) -> None:
+    """The language model's config features the lean engine must implement (``support``); its tensors are
+    renamed from the VLM's, so only the config is checked."""
+    if reasons := unsupported_features(text, max_model_len):
+        raise UnsupportedModel(f"language model {text.get('model_type')!r}: the lean engine does not implement "
+                               + "; ".join(reasons))
 
 
 def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -1,0 +1,42 @@
+"""Checks the server's master process makes before it starts a worker, each failing in one line. Light on purpose:
+no torch, no transformers, so a refusal comes within a second of ``serve``."""
+
+from __future__ import annotations
+
+import json
+
+from handler.config import Settings
+from handler.engine.support import UnsupportedModel, check_lean_folder
+from handler.errors import ConfigError
+
+# Without a setting, the context is the model's own, capped so one sequence's KV cache stays modest.
+_DEFAULT_CONTEXT_CAP = 8192
+
+
+def context_length(settings: Settings, config: dict) -> int:
+    """Tokens one sequence may hold (prompt + completion): the setting, else the model's own, capped."""
+    model_max = config.get("max_position_embeddings") or _DEFAULT_CONTEXT_CAP
+    max_len = settings.max_model_len or min(model_max, _DEFAULT_CONTEXT_CAP)
+    if max_len > model_max:
+        raise ConfigError(f"option.max_model_len={max_len} is more than the model's max_position_embeddings "
+                          f"({model_max})")
+    return max_len
+
+
+def preflight(settings: Settings) -> None:
+    """What can be refused before a worker starts, in one line (``ConfigError``): a folder with no model in it, a
+    context the model cannot take, and a text model the lean engine does not implement (from config.json and the
+    safetensors headers; no weight is read, torch is not imported). A VLM's language model is checked when it
+    loads (its config needs transformers): a failed load stops the server too (``build_worker_app``)."""
+    folder = settings.model_dir
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"{folder} has no *.safetensors weights")
+    config = json.loads((folder / "config.json").read_text())
+    if "vision_config" in config or "text_config" in config:
+        return
+    try:
+        check_lean_folder(folder, context_length(settings, config))
+    except UnsupportedModel as error:
+        raise ConfigError(f"{folder}: {error}") from None

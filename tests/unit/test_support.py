@@ -1,0 +1,70 @@
+"""What the lean engine implements: configs and tensor names it must refuse, before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from handler.engine.support import UnsupportedModel, check_lean, sliding_window, unsupported_features
+
+LLAMA = {"model_type": "llama", "hidden_act": "silu", "num_hidden_layers": 1, "tie_word_embeddings": False}
+LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+         "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+         "mlp.up_proj.weight", "mlp.down_proj.weight"]
+NAMES = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {f"model.layers.0.{n}" for n in LAYER}
+
+
+@pytest.mark.parametrize("config", [
+    LLAMA,
+    {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+    {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+    {**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    {**LLAMA, "model_type": "mistral", "sliding_window": None},
+    {**LLAMA, "model_type": "mistral", "sliding_window": 4096},  # never reached within 4096 positions
+    {**LLAMA, "model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
+    {**LLAMA, "model_type": "qwen2", "sliding_window": 64, "layer_types": ["full_attention"]},
+])
+def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
+    assert unsupported_features(config, 4096) == []
+    check_lean(config, NAMES, 4096)
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({**LLAMA, "model_type": "qwen3"}, "this model type"),
+    ({**LLAMA, "model_type": "gemma2"}, "this model type"),
+    ({**LLAMA, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
+    ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
+    ({**LLAMA, "model_type": "mistral", "sliding_window": 1024}, "option.max_model_len to at most 1024"),
+    ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
+    ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "layer_types": ["sliding_attention"]}, "sliding"),
+    ({**LLAMA, "quantization_config": {"quant_method": "awq"}}, "pre-quantised weights"),
+])
+def test_anything_else_is_refused_naming_it(config: dict, named: str) -> None:
+    with pytest.raises(UnsupportedModel) as refused:
+        check_lean(config, NAMES, 4096)
+    message = str(refused.value)
+    assert named in message and f"model_type {config['model_type']!r}" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("names", "named"), [
+    (NAMES | {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}, "q_norm"),
+    (NAMES | {"model.layers.0.mlp.gate_proj.bias"}, "gate_proj.bias"),
+    (NAMES | {"model.layers.0.pre_feedforward_layernorm.weight"}, "pre_feedforward_layernorm"),
+    (NAMES - {"lm_head.weight"}, "without lm_head.weight"),
+    (NAMES | {"model.layers.0.self_attn.q_proj.bias"}, "q/k/v biases on only some projections"),
+])
+def test_tensors_the_block_would_not_read_or_lacks_are_refused(names: set[str], named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        check_lean(LLAMA, names, 4096)
+
+
+def test_tied_embeddings_need_no_head_and_qkv_biases_are_read() -> None:
+    biases = {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
+    check_lean({**LLAMA, "tie_word_embeddings": True}, (NAMES - {"lm_head.weight"}) | biases, 4096)
+
+
+def test_sliding_window_in_effect() -> None:
+    assert sliding_window({"model_type": "mistral", "sliding_window": 4096}) == 4096
+    assert sliding_window({"model_type": "qwen2", "sliding_window": 4096}) is None  # use_sliding_window false
+    assert sliding_window({"model_type": "llama"}) is None
