@@ -33,6 +33,14 @@ TGI_ALIASES = {"MAX_BATCH_SIZE": "max_rolling_batch_size", "MAX_TOTAL_TOKENS": "
 SAGEMAKER_ALIASES = {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "request_timeout", "SAGEMAKER_CONTAINER_LOG_LEVEL": "log_level"}
 LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical", "warn": "warning",
               **{name: name for name in ("debug", "info", "warning", "error", "critical")}}
+# LMI's other option.rolling_batch values, and why this server does not take them
+ROLLING_BATCH_REFUSED = {
+    "disable": "this server always batches requests (continuous batching); use auto, lean or transformers",
+    "scheduler": "LMI's deprecated scheduler is not offered; use auto, lean or transformers",
+    "vllm": "vLLM is not installed in this image; use auto, lean or transformers",
+    "lmi-dist": "lmi-dist is LMI's own engine, not in this image; use auto, lean or transformers",
+    "trtllm": "TensorRT-LLM is not in this image; use auto, lean or transformers",
+}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "auto": "auto"}
 
@@ -47,6 +55,9 @@ class Settings(BaseModel):
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
     quantize: Literal["auto", "none", "dynamic_int8"] = "auto"  # auto: dynamic_int8 on CPU, none on CUDA
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # LMI's key: which engine path serves. auto: the lean engine when it implements the checkpoint, else the
+    # checkpoint's own transformers code; lean: refuse what the lean engine does not implement
+    rolling_batch: str = "auto"
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
@@ -75,6 +86,15 @@ class Settings(BaseModel):
         if isinstance(value, str):
             return tuple(host.strip() for host in value.split(",") if host.strip())
         return value
+
+    @field_validator("rolling_batch")
+    @classmethod
+    def _known_rolling_batch(cls, value: str) -> str:
+        if value in ("auto", "lean", "transformers"):
+            return value
+        if value in ROLLING_BATCH_REFUSED:
+            raise ValueError(ROLLING_BATCH_REFUSED[value])
+        raise ValueError("must be one of auto, lean, transformers")
 
     @field_validator("dtype")
     @classmethod

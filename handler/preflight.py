@@ -25,18 +25,20 @@ def context_length(settings: Settings, config: dict) -> int:
 
 def preflight(settings: Settings) -> None:
     """What can be refused before a worker starts, in one line (``ConfigError``): a folder with no model in it, a
-    context the model cannot take, and a text model the lean engine does not implement (from config.json and the
-    safetensors headers; no weight is read, torch is not imported). A VLM's language model is checked when it
-    loads (its config needs transformers): a failed load stops the server too (``build_worker_app``)."""
+    context the model cannot take, and with ``option.rolling_batch=lean`` a text model the lean engine does not
+    implement (from config.json and the safetensors headers; no weight is read, torch is not imported). Whatever
+    fails later, as the worker loads (a VLM's language model, an architecture transformers does not know), stops
+    the server too (``__main__.stop_on_load_failure``)."""
     folder = settings.model_dir
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder")
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"{folder} has no *.safetensors weights")
     config = json.loads((folder / "config.json").read_text())
-    if "vision_config" in config or "text_config" in config:
-        return
+    context = context_length(settings, config)
+    if settings.rolling_batch != "lean" or "vision_config" in config or "text_config" in config:
+        return  # auto serves what the lean engine does not implement through transformers
     try:
-        check_lean_folder(folder, context_length(settings, config))
+        check_lean_folder(folder, context)
     except UnsupportedModel as error:
         raise ConfigError(f"{folder}: {error}") from None

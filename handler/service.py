@@ -106,11 +106,13 @@ class ModelService:
             torch.set_num_threads(self._num_threads)
         resolved = resolve(self.settings, torch.cuda.is_available())
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
-                              self.engine.limits.max_running, self.engine.limits.max_model_len)
+                              self.engine.limits.max_running, self.engine.limits.max_model_len,
+                              self.settings.rolling_batch, self.settings.quantize == "dynamic_int8")
         loaded, tokenizer = load(options, lambda: load_tokenizer(self.settings.model_dir))
         self.renderer = self._renderer(tokenizer, loaded.vision)
         log.info("loaded %s on %s (%s%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
-                 ", int8 dynamic" if resolved.quantize else "", ", vision" if loaded.vision else "", os.getpid())
+                 ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
+                 ", vision" if loaded.vision else "", os.getpid())
         return loaded
 
     def _renderer(self, tokenizer, encoder) -> PromptRenderer:

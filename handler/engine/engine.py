@@ -92,6 +92,7 @@ class LoadedModel:
     vocab_size: int
     grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
     vision: object | None = None              # a vision-language model's VisionEncoder (used by the renderer)
+    path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
 
 
 class Engine:

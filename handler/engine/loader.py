@@ -18,8 +18,9 @@ from handler.engine.engine import LoadedModel
 from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
+from handler.engine.reference import ReferenceRunner
 from handler.engine.runner import ModelRunner
-from handler.engine.support import check_lean, rope_type, tensor_names
+from handler.engine.support import UnsupportedModel, check_lean, rope_type, tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class LoadOptions:
     device: str                # "cpu" or "cuda"
     max_running: int
     max_model_len: int
+    rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
+    quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
 
 
 def load_tokenizer(model_dir: Path):
@@ -78,6 +81,10 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     the fast tokenizer. Returns the loaded model and the transformers tokenizer."""
     result: dict[str, object] = {}
     config = read_config(options.model_dir)
+    path, reason = choose_path(options, config)
+    log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
+    if path == "transformers":
+        return _load_reference(options, load_full_tokenizer)
     if needs_transformers(config):
         _import_transformers()
     loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
@@ -101,6 +108,37 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
                          grammar=grammar, vision=encoder)
+    return loaded, tokenizer
+
+
+def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
+    """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
+    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
+    if options.rolling_batch == "transformers":
+        return "transformers", "option.rolling_batch=transformers"
+    if vision.is_vision_model(config):
+        return "lean", "vision-language models run on the lean path"
+    try:
+        check_lean(config, tensor_names(options.model_dir), options.max_model_len)
+    except UnsupportedModel as error:
+        if options.rolling_batch == "lean":
+            raise
+        return "transformers", f"{error} (exact, slower)"
+    return "lean", "the lean engine implements this checkpoint"
+
+
+def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, object]:
+    """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
+    if options.quantize_asked:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the transformers path "
+                               "serves option.dtype")
+    tokenizer = load_full_tokenizer()  # one thread imports transformers here
+    runner = ReferenceRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device))
+    eos_ids = eos_token_ids(options.model_dir, tokenizer)
+    grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
+                         grammar=grammar, path="transformers")
     return loaded, tokenizer
 
 

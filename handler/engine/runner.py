@@ -78,16 +78,8 @@ class ModelRunner:
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                                     layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device),
                                     _join_embeds(embeds, device))
-        self._advance(plan)
+        advance(plan)
         return StepOutput(sequences, logits.cpu())
-
-    @staticmethod
-    def _advance(plan: StepPlan) -> None:
-        for sequence in plan.decode:
-            if not sequence.is_prefilling:
-                sequence.num_cached += 1
-        for sequence, _start, length in plan.prefill:
-            sequence.num_cached += length
 
     def move(self, move: SlotMove) -> None:
         self.cache.move(move.src, move.dst, move.length)
@@ -99,6 +91,15 @@ class ModelRunner:
 
     def release(self) -> None:
         self.cache.release()
+
+
+def advance(plan: StepPlan) -> None:
+    """After a step: every decoded sequence holds one more cached position, every prefill chunk its length."""
+    for sequence in plan.decode:
+        if not sequence.is_prefilling:
+            sequence.num_cached += 1
+    for sequence, _start, length in plan.prefill:
+        sequence.num_cached += length
 
 
 def _chunk_embeds(sequence: Sequence, start: int, length: int, first_row: int) -> list[tuple[list[int], torch.Tensor]]:

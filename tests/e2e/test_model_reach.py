@@ -1,6 +1,8 @@
-"""Checkpoints other than the embedded one through the real server: one the lean engine implements is served
-exactly (greedy tokens equal transformers' own ``generate``), and one it does not is refused at start in one line
-naming the model type and the reason, the process exiting non-zero (never a server answering 503 for ever)."""
+"""Checkpoints other than the embedded one through the real server. One the lean engine implements is served by
+it, one it does not by the checkpoint's own transformers code (option.rolling_batch=auto), both exactly: greedy
+tokens equal transformers' own ``generate``, alone and batched. With option.rolling_batch=lean an unimplemented
+checkpoint is refused at start in one line naming the model type and the reason, the process exiting non-zero
+(never a server answering 503 for ever)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -22,30 +26,60 @@ LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_facto
                            "original_max_position_embeddings": 64}}
 
 
-def serve_and_fail(folder: Path, tmp_path: Path) -> tuple[int, list[str]]:
+def serve_and_fail(folder: Path, tmp_path: Path, **env: str) -> tuple[int, list[str]]:
     """Start ``serve`` on a folder that cannot be served; its exit code and its output lines."""
     environ = {**os.environ, "HF_MODEL_ID": str(folder), "SAGEMAKER_BIND_TO_PORT": "0", "SERVER_HOST": "127.0.0.1",
-               "SAGEMAKER_MODEL_DIR": str(tmp_path / "no-sagemaker-model")}
+               "SAGEMAKER_MODEL_DIR": str(tmp_path / "no-sagemaker-model"), **env}
     done = subprocess.run([sys.executable, "-m", "handler", "serve"], cwd=REPO_ROOT, env=environ,
                           capture_output=True, text=True, timeout=180)
     return done.returncode, (done.stdout + done.stderr).splitlines()
 
 
-def test_a_lean_checkpoint_is_served_exactly(tmp_path: Path) -> None:
+def generate(folder: Path, prompt: str, max_new_tokens: int) -> list[int]:
+    """transformers' own greedy tokens for a prompt (no EOS stop: the server is asked to ignore it too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = build_tiny(tmp_path / "llama3", "llama", **LLAMA3)
-    server = start_server(tmp_path, {"HF_MODEL_ID": str(folder), "OPTION_QUANTIZE": "none"})
+    ids = AutoTokenizer.from_pretrained(folder)(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    output = reference.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                do_sample=False)
+    return output[0, ids.shape[1]:].tolist()
+
+
+def served_tokens(url: str, prompt: str, max_new_tokens: int) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True,
+                                             "ignore_eos": True}}
+    response = requests.post(f"{url}/invocations", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+PROMPTS = ["The weather today is", "Once upon a time, in a land far away, there lived a very curious dragon who"]
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "path"), [
+    ("llama", LLAMA3, "lean"),
+    ("qwen3", {}, "transformers"),
+    ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+     "transformers"),
+    ("phi3", {}, "transformers"),
+], ids=["llama3-lean", "qwen3", "gemma3_text", "phi3"])
+def test_a_checkpoint_is_served_exactly_alone_and_batched(tmp_path: Path, model_type: str, overrides: dict,
+                                                           path: str) -> None:
+    folder = build_tiny(tmp_path / model_type, model_type, **overrides)
+    expected = [generate(folder, prompt, 12) for prompt in PROMPTS]
+    # a small step budget so the longer prompt is prefilled in chunks beside the other request's decoding
+    server = start_server(tmp_path, {"HF_MODEL_ID": str(folder), "OPTION_QUANTIZE": "none",
+                                     "OPTION_MAX_NUM_BATCHED_TOKENS": "16"})
     try:
-        body = {"inputs": "The weather today is", "parameters": {"max_new_tokens": 12, "details": True}}
-        answer = requests.post(f"{server.url}/invocations", json=body, timeout=120).json()
+        alone = [served_tokens(server.url, prompt, 12) for prompt in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            batched = list(pool.map(lambda prompt: served_tokens(server.url, prompt, 12), PROMPTS))
+        log = server.log()
     finally:
         stop_server(server)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer("The weather today is", return_tensors="pt", add_special_tokens=False).input_ids
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    expected = reference.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, ids.shape[1]:]
-    assert [t["id"] for t in answer["details"]["tokens"]] == expected.tolist()
+    assert alone == expected and batched == expected
+    assert f"on the {path} path" in log
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "named"), [
@@ -53,9 +87,10 @@ def test_a_lean_checkpoint_is_served_exactly(tmp_path: Path) -> None:
     ("llama", {"mlp_bias": True}, "mlp_bias"),
     ("mistral", {"sliding_window": 128}, "set option.max_model_len to at most 128"),
 ])
-def test_a_checkpoint_the_engine_does_not_implement_is_refused_in_one_line(
+def test_with_lean_asked_a_checkpoint_it_does_not_implement_is_refused_in_one_line(
         tmp_path: Path, model_type: str, overrides: dict, named: str) -> None:
-    code, lines = serve_and_fail(build_tiny(tmp_path / model_type, model_type, **overrides), tmp_path)
+    folder = build_tiny(tmp_path / model_type, model_type, **overrides)
+    code, lines = serve_and_fail(folder, tmp_path, OPTION_ROLLING_BATCH="lean")
     assert code != 0
     [line] = [line for line in lines if line.startswith("error: ")]
     assert named in line and "Traceback" not in "\n".join(lines)
