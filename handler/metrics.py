@@ -61,6 +61,12 @@ REQUEST_TIMEOUTS = Counter("llm_request_timeouts_total",
                            "Requests ended by the engine after option.request_timeout seconds.")
 IMAGE_FETCH_FAILURES = Counter("llm_image_fetch_failures_total", "Image URLs that could not be fetched, by reason.",
                                ["reason"])
+ENGINE_PATH = Gauge("llm_engine_path_info", "1 for the engine path serving the model (lean or transformers) and why.",
+                    ["path", "reason"], multiprocess_mode="livemax")
+
+
+def record_engine_path(path: str, reason: str) -> None:
+    ENGINE_PATH.labels(path=path, reason=reason).set(1)
 
 
 def record_step(stats: EngineStats) -> None:

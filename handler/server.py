@@ -194,8 +194,10 @@ class Routes:
         return parsed, extras
 
     def _model_card(self) -> dict:
-        return {"id": self.service.model_name, "object": "model", "created": self.created,
+        card = {"id": self.service.model_name, "object": "model", "created": self.created,
                 "owned_by": "sagemaker-llm-container"}
+        engine_path = self.service.engine_path
+        return card if engine_path is None else {**card, "engine_path": engine_path}
 
     def _renderer(self):
         if self.is_draining():

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler import metrics
 from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
 from handler.engine.engine import Engine, EngineLimits, LoadedModel
@@ -64,6 +65,7 @@ class ModelService:
         self.settings = settings
         self.model_name = settings.model_dir.name
         self.renderer: PromptRenderer | None = None
+        self.engine_path: str | None = None  # "lean" or "transformers" once loaded
         self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded, on_failed=on_load_failed)
         self._num_threads = num_threads
         self._on_loaded = on_loaded
@@ -110,6 +112,8 @@ class ModelService:
                               self.settings.rolling_batch, self.settings.quantize == "dynamic_int8")
         loaded, tokenizer = load(options, lambda: load_tokenizer(self.settings.model_dir))
         self.renderer = self._renderer(tokenizer, loaded.vision)
+        self.engine_path = loaded.path
+        metrics.record_engine_path(loaded.path, loaded.path_reason)
         log.info("loaded %s on %s (%s%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
                  ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
                  ", vision" if loaded.vision else "", os.getpid())

@@ -93,6 +93,7 @@ class LoadedModel:
     grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
     vision: object | None = None              # a vision-language model's VisionEncoder (used by the renderer)
     path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
+    path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
 
 
 class Engine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -84,7 +85,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     path, reason = choose_path(options, config)
     log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
     if path == "transformers":
-        return _load_reference(options, load_full_tokenizer)
+        loaded, tokenizer = _load_reference(options, load_full_tokenizer)
+        return dataclasses.replace(loaded, path_reason=reason), tokenizer
     if needs_transformers(config):
         _import_transformers()
     loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
@@ -107,7 +109,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
-                         grammar=grammar, vision=encoder)
+                         grammar=grammar, vision=encoder, path="lean", path_reason=reason)
     return loaded, tokenizer
 
 

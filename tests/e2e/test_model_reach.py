@@ -76,10 +76,14 @@ def test_a_checkpoint_is_served_exactly_alone_and_batched(tmp_path: Path, model_
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             batched = list(pool.map(lambda prompt: served_tokens(server.url, prompt, 12), PROMPTS))
         log = server.log()
+        card = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+        info = [line for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+                if line.startswith("llm_engine_path_info{")]
     finally:
         stop_server(server)
     assert alone == expected and batched == expected
-    assert f"on the {path} path" in log
+    assert f"on the {path} path" in log and card["engine_path"] == path
+    assert len(info) == 1 and f'path="{path}"' in info[0] and info[0].endswith(" 1.0")
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "named"), [

@@ -86,6 +86,8 @@ def renderer() -> PromptRenderer:
 class FakeService(types.SimpleNamespace):
     """What create_app reads from ModelService, around a scripted engine."""
 
+    engine_path = "lean"
+
     @property
     def is_ready(self) -> bool:
         return self.engine.is_ready
