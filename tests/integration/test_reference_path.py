@@ -1,0 +1,89 @@
+"""The transformers path (``engine.reference``) through our Engine on tiny random checkpoints of architectures the
+lean model does not implement: greedy tokens equal transformers' own ``generate``, for requests run together with
+chunked prefill, and for n > 1 (forked caches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from handler.engine.engine import Engine, EngineLimits, wait_until_ready
+from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
+from handler.engine.model import read_config
+from handler.engine.types import GenerationRequest, StopConditions
+from tests.integration.test_engine_small import collect
+from tests.tiny_checkpoints import build_tiny
+
+# model type -> config overrides a tiny checkpoint needs (MoE: a few small experts)
+FAMILIES = {
+    "qwen3": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "phi3": {},
+    "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "sliding_window": 8},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0},
+    "olmo2": {},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "stablelm": {},
+    "cohere": {},
+    "gpt_neox": {},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1,
+                    "num_key_value_heads": 4},  # multi-head latent attention: no KV-head sharing
+    "falcon": {},
+    "phi": {},
+    "starcoder2": {},
+    "olmo": {},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "helium": {"head_dim": 16},
+    "ernie4_5": {},
+    "bitnet": {},
+    "exaone4": {},
+    "glm4": {},
+    "mistral": {"sliding_window": 8},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128},
+}
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 23, 11, 4, 4242, 77, 3], [8, 9, 10], list(range(100, 140))]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
+    folder = build_tiny(tmp_path_factory.mktemp(request.param), request.param, **FAMILIES[request.param])
+    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128, rolling_batch="auto")
+    assert choose_path(options, read_config(folder))[0] == "transformers"
+    loaded = load(options, lambda: load_tokenizer(folder))[0]
+    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
+    engine.start()
+    wait_until_ready(engine, timeout=120)
+    yield engine, folder
+    engine.stop()
+
+
+def reference_tokens(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                            do_sample=False)
+    return output[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate_batched_and_chunked(engine_and_folder) -> None:
+    engine, folder = engine_and_folder
+    stop = StopConditions(max_new_tokens=8, ignore_eos=True)
+    handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), stop=stop, n=1 + (i == 0)))
+               for i, p in enumerate(PROMPTS)]  # submitted together: they share steps; the first forks
+    results = [collect(handle) for handle in handles]
+    for prompt, choices in zip(PROMPTS, results, strict=True):
+        expected = reference_tokens(folder, prompt, 8)
+        assert all(choice.token_ids == expected for choice in choices.values()), folder.name
