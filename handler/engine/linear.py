@@ -73,15 +73,16 @@ def _int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedPa
     grid = float(levels // 2)
     low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
     step = ((high - low) / (levels - 1)).clamp(min=1e-9)
+    centre = low + step * grid  # x = centre + step * k, k = q - G an integer in -G..G-1
     scaled = torch.empty(rows + 1, x.shape[1], dtype=x.dtype)
-    torch.sub(x, low, out=scaled[:rows])
-    # q = round((x - low) / step) is in 0..levels-1 ((high - low) / step rounds to levels - 1), stored as
-    # (q - G) / G: exactly representable, so every kernel quantises it back to q
-    scaled[:rows].div_(step).round_().sub_(grid).mul_(1.0 / grid)
+    torch.sub(x, centre, out=scaled[:rows])
+    # k = round((x - centre) / step) (the extremes land on -G and G-1), stored as k / G: exactly representable
+    # with a power-of-two scale, so every kernel quantises it back to q = k + G
+    scaled[:rows].mul_(1.0 / step).round_().mul_(1.0 / grid)
     scaled[rows].copy_(sentinel)
     y = torch.ops.quantized.linear_dynamic(scaled, packed, levels == 128)[:rows]
-    # x = low + step * q = (low + G * step) + G * step * x'
-    return torch.addcmul(y * (step * grid), low + step * grid, row_sums)
+    # x = centre + G * step * x'
+    return y.mul_(step * grid).addcmul_(centre, row_sums)
 
 
 _LEVELS: int | None = None

@@ -131,8 +131,12 @@ class DecoderModel:
 
     def _layer(self, state: dict[str, torch.Tensor], i: int, make) -> Layer:
         p = f"model.layers.{i}."
+        # attention's 1/sqrt(head_dim) is folded into the query projection (RoPE is linear): no scaling op per step
+        scale = self.shape.head_dim**-0.5
         attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+        attn[0] = attn[0] * scale
         biases = [state.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+        biases[0] = None if biases[0] is None else biases[0] * scale
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         return Layer(
             input_norm=state[f"{p}input_layernorm.weight"].to(self.device, self.dtype),
@@ -228,7 +232,8 @@ class DecoderModel:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d) + mask) v``; ``mask`` is 0 where a query may attend, -inf elsewhere.
+    """``softmax(q k^T + mask) v`` (q already carries 1/sqrt(head_dim)); ``mask`` is 0 where a query may attend,
+    -inf elsewhere.
 
     On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
     by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
@@ -236,8 +241,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
     value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype))
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, keys.transpose(-1, -2)).add_(mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=1.0)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).add_(mask)
     return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
