@@ -171,7 +171,7 @@ def compared_steps(client: openai.OpenAI, **penalty):
     plain = steps(ask(client, REPEAT, max_tokens=12, logprobs=True, top_logprobs=20))
     penalised = steps(ask(client, REPEAT, max_tokens=12, logprobs=True, top_logprobs=20, **penalty))
     history: list[str] = []
-    for (token, plain_top), (other, penalised_top) in zip(plain, penalised):  # shorter one ends it
+    for (token, plain_top), (other, penalised_top) in zip(plain, penalised, strict=False):  # shorter ends it
         yield list(history), plain_top, penalised_top
         if token != other:
             return

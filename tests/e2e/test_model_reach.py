@@ -10,9 +10,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests

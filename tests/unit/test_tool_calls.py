@@ -483,7 +483,7 @@ def test_rendered_history_calls_parse_back(fmt: str) -> None:
                                                                          ("get_time", {})]
 
 
-@pytest.mark.parametrize("cut", ["", "<tool_call>\n{\"name\":", "<tool_", "\n<tool_call>\n{\"name\": \"get_weather\", \"a"])
+@pytest.mark.parametrize("cut", ["", '<tool_call>\n{"name":', "<tool_", '\n<tool_call>\n{"name": "get_weather", "a'])
 def test_forced_output_drops_a_call_cut_by_max_tokens(cut: str) -> None:
     """Forced output is calls only: what max_tokens cut off is dropped, never shown as markup in content."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' + cut
