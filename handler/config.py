@@ -63,6 +63,11 @@ class Settings(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=16)
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
+    # body fields this server does not declare, for the whole deployment (Azure's extra-parameters meanings); per
+    # request the extra-parameters header, or extra-parameters=... in X-Amzn-SageMaker-Custom-Attributes, wins
+    extra_parameters: Literal["error", "ignore", "pass-through"] = "error"
+    # legacy schema, non-streaming, string input: lmi = one object (LMI), tgi = a one-element list (TGI, HF LLM DLC)
+    legacy_response: Literal["lmi", "tgi"] = "lmi"
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.
     max_queue_size: int = Field(64, ge=1)

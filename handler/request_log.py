@@ -37,6 +37,7 @@ class RequestRecord:
     schema: str = "none"
     is_stream: bool = False
     prompt: object = None                                  # only when option.log_prompts
+    ignored_fields: tuple[str, ...] = ()                   # body fields dropped under extra-parameters: ignore
     first_token_at: float | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
@@ -66,6 +67,8 @@ class RequestRecord:
                 "total_s": round(now - self.started, 4), "finish_reason": self.finish_reason}
         if self.prompt is not None:
             line["prompt"] = self.prompt
+        if self.ignored_fields:
+            line["ignored_fields"] = list(self.ignored_fields)
         return line
 
     @property

@@ -32,6 +32,7 @@ from handler.formatting.context import FormatContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import (
+    CUSTOM_ATTRIBUTES_HEADER,
     EXTRA_PARAMETERS_HEADER,
     ExtraParameters,
     Extras,
@@ -164,7 +165,9 @@ class Routes:
         finally:
             for handle in handles:  # when one prompt failed, the others stop too
                 handle.cancel()
-        return json_response(results if parsed.is_batch else results[0])
+        # LMI answers a string input with one object; TGI and the HF LLM DLC with a one-element list
+        one_object = not parsed.is_batch and self.service.settings.legacy_response == "lmi"
+        return json_response(results[0] if one_object else results)
 
     def _completions(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(CompletionRequest, body)
@@ -188,9 +191,13 @@ class Routes:
     # ---- helpers ------------------------------------------------------------------------------------------
     def _parse(self, model: type[Model], body: dict) -> tuple[Model, Extras]:
         """Validate the body under the request's ``extra-parameters`` policy; remember what it dropped."""
-        policy = ExtraParameters.from_header(request.headers.get(EXTRA_PARAMETERS_HEADER))
+        policy = ExtraParameters.for_request(request.headers.get(EXTRA_PARAMETERS_HEADER),
+                                             request.headers.get(CUSTOM_ATTRIBUTES_HEADER),
+                                             self.service.settings.extra_parameters)
         parsed, extras = parse_request(model, body, policy)
         g.ignored_fields = extras.ignored
+        if extras.ignored and g.get("record") is not None:
+            g.record.ignored_fields = tuple(extras.ignored)
         return parsed, extras
 
     def _model_card(self) -> dict:

@@ -84,6 +84,9 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Ite
             yield _chunk(ctx, event.index, delta)
         last = deltas[-1] if deltas else {}
         finish = _finish_reason(event.finish_reason, stream.num_calls > 0) if event.finish_reason else None
+        if finish and "tool_calls" in last:  # as OpenAI: the finish comes in a chunk of its own after the call
+            yield _chunk(ctx, event.index, last, logprobs)
+            last, logprobs = {}, None
         if last or logprobs or finish:
             yield _chunk(ctx, event.index, last, logprobs, finish)
         if event.finish_reason is not None:

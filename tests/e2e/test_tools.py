@@ -171,6 +171,19 @@ def test_streamed_forced_call_equals_the_whole_one(client: openai.OpenAI, named_
     assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
 
 
+def test_openai_stream_helper_fires_arguments_done_for_a_streamed_call(client: openai.OpenAI) -> None:
+    """The SDK's stream helper closes a call when a later chunk arrives; the finish_reason chunk comes after the
+    last tool-call delta (never merged with it), so ``tool_calls.function.arguments.done`` fires."""
+    with client.chat.completions.stream(model="m", messages=WEATHER_QUESTION, max_tokens=CALL_TOKENS, tools=TOOLS,
+                                        tool_choice=FORCE_TIME) as stream:
+        done = [event for event in stream if event.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    [event] = done
+    assert event.name == "get_time" and json.loads(event.arguments) == json.loads(
+        final.choices[0].message.tool_calls[0].function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
 # ---- tools shown, tool messages ----------------------------------------------------------------------------------
 
 

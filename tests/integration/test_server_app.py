@@ -381,6 +381,16 @@ def test_chat_route_is_always_sse(client) -> None:
         assert response.data == ("".join(f"data: {r}\n\n" for r in CHAT_RECORDS) + "data: [DONE]\n\n").encode()
 
 
+def test_legacy_response_tgi_answers_a_string_input_with_a_list(service) -> None:
+    """option.legacy_response=tgi: TGI's and the HF LLM DLC's shape, which langchain-aws' SagemakerEndpoint
+    handlers read as ``[0]["generated_text"]``; lmi (the default) keeps one object."""
+    service.settings = Settings(legacy_response="tgi")
+    client = server.create_app(service).test_client()
+    assert post(client, "/invocations", {"inputs": "x"}).get_json() == [{"generated_text": "Hello world"}]
+    batch = post(client, "/invocations", {"inputs": ["x", "y"]}).get_json()
+    assert batch == [{"generated_text": "Hello world"}] * 2
+
+
 def test_output_formatter_setting_picks_the_default_framing(service, renderer) -> None:
     service.settings = Settings(output_formatter="sse")
     client = server.create_app(service).test_client()

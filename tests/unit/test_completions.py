@@ -419,6 +419,24 @@ def test_policy_from_header(header: str | None, policy: ExtraParameters) -> None
     assert ExtraParameters.from_header(header) is policy
 
 
+@pytest.mark.parametrize(("header", "attributes", "default", "policy"), [
+    (None, None, "error", ExtraParameters.ERROR),
+    (None, None, "ignore", ExtraParameters.IGNORE),                          # option.extra_parameters
+    (None, "extra-parameters=ignore", "error", ExtraParameters.IGNORE),      # SageMaker custom attributes
+    (None, "trace=1; Extra-Parameters = pass-through ;x", "error", ExtraParameters.PASS_THROUGH),
+    (None, "trace=1; other=ignore", "error", ExtraParameters.ERROR),         # unknown attributes are not errors
+    ("error", "extra-parameters=ignore", "ignore", ExtraParameters.ERROR),   # the header wins
+])
+def test_policy_for_a_request(header, attributes, default, policy) -> None:
+    assert ExtraParameters.for_request(header, attributes, default) is policy
+
+
+def test_bad_policy_in_custom_attributes_names_that_header() -> None:
+    with pytest.raises(BadRequest) as info:
+        ExtraParameters.for_request(None, "extra-parameters=maybe", "error")
+    assert info.value.param == "X-Amzn-SageMaker-Custom-Attributes"
+
+
 @pytest.mark.parametrize("header", ["", "passthrough", "allow"])
 def test_bad_policy_names_the_header(header: str) -> None:
     with pytest.raises(BadRequest) as info:
