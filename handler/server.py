@@ -83,6 +83,25 @@ def connect_engine(service: ModelService) -> None:
         service.engine.configure(Admission(settings.max_queue_size, settings.request_timeout), metrics.record_step)
 
 
+# OpenAI routes this server does not have, and what to use instead
+_NOT_SERVED = {
+    "/v1/responses": "the Responses API is not served by this server; use /v1/chat/completions",
+    "/v1/embeddings": "embeddings are not served by this model (a text-generation model); use an embedding model",
+}
+
+
+def _route_error(status: int) -> ServingError:
+    """404 / 405 naming the route (on /v1/* in OpenAI's shape, elsewhere in the legacy shape)."""
+    route = f"{request.method} {request.path}"
+    if status == 405:
+        error = ServingError(f"method {request.method} is not allowed on {request.path}", code="method_not_allowed")
+    else:
+        reason = _NOT_SERVED.get(request.path.rstrip("/"), "no such route")
+        error = ServingError(f"{route}: {reason}", code="not_found")
+    error.status_code, error.error_type = status, "invalid_request_error"
+    return error
+
+
 class Routes:
     def __init__(self, service: ModelService, is_draining: Callable[[], bool]) -> None:
         self.service = service
@@ -251,7 +270,8 @@ class Routes:
     def serving_error(self, error: ServingError) -> Response:
         if error.status_code >= 500:
             log.warning("request failed: %s", error.message)
-        if g.get("schema") == "legacy":
+        unmatched_legacy = request.url_rule is None and not request.path.startswith("/v1/")
+        if g.get("schema") == "legacy" or unmatched_legacy:
             payload = {"error": error.message, "error_type": error.error_type, "param": error.param,
                        "code": error.status_code}
         else:
@@ -261,6 +281,11 @@ class Routes:
     def http_error(self, error: HTTPException) -> Response:
         if isinstance(error, RequestEntityTooLarge):
             return self.serving_error(PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes"))
+        if error.code in (404, 405):
+            response = self.serving_error(_route_error(error.code))
+            if error.code == 405 and getattr(error, "valid_methods", None):
+                response.headers["Allow"] = ", ".join(sorted(error.valid_methods))
+            return response
         wrapped = ServingError(error.description or error.name)
         wrapped.status_code, wrapped.error_type = error.code or 500, "invalid_request_error"
         return self.serving_error(wrapped)

@@ -333,10 +333,21 @@ def test_unexpected_exception_is_500_without_traceback(client, service) -> None:
 
 
 def test_unknown_route_and_method(client) -> None:
-    assert client.get("/nope").status_code == 404
+    """JSON naming the route: OpenAI's shape on /v1/*, the legacy shape elsewhere; never Flask's HTML."""
+    response = client.get("/nope")
+    assert response.status_code == 404 and response.get_json() == {
+        "error": "GET /nope: no such route", "error_type": "invalid_request_error", "param": None, "code": 404}
     response = client.get("/invocations")
-    assert response.status_code == 405
-    assert response.get_json()["error"]["type"] == "invalid_request_error"
+    assert response.status_code == 405 and response.headers["Allow"] == "OPTIONS, POST"
+    assert response.get_json()["error"] == "method GET is not allowed on /invocations"
+    response = client.post("/v1/nope", json={})
+    assert response.status_code == 404 and response.get_json()["error"] == {
+        "message": "POST /v1/nope: no such route", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    for path, says in (("/v1/responses", "Responses API"), ("/v1/embeddings", "embeddings are not served")):
+        error = client.post(path, json={"input": "x"}).get_json()["error"]
+        assert says in error["message"] and error["code"] == "not_found"
+    response = client.delete("/v1/chat/completions")
+    assert response.status_code == 405 and response.get_json()["error"]["code"] == "method_not_allowed"
 
 
 # ---- streaming ------------------------------------------------------------------------------------------------
