@@ -21,12 +21,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from handler.engine.json_rules import JSON_LAYOUT, bounded_numbers
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
-
-# One line with json.dumps' separators: a small model given free whitespace can fill max_tokens with newlines and
-# indentation (seen with forced tool calls), and this is the spacing models see most.
-JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 class GrammarCompiler:
@@ -56,7 +53,8 @@ class GrammarCompiler:
 
         try:
             if spec.kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec.source), defaults=JSON_LAYOUT)
+                schema = bounded_numbers(json.loads(spec.source))
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.source)
         except (ValueError, TypeError) as error:

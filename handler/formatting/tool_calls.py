@@ -25,6 +25,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from handler.engine.json_rules import JSON_LAYOUT, bounded_numbers
+
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHON_TAG = "<|python_tag|>"
 _ALNUM = string.ascii_letters + string.digits
@@ -245,9 +247,9 @@ def call_grammar(tools: list[dict], fmt: str, *, parallel: bool, marker_token_id
     call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if fmt == MISTRAL:
         call = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-    # one line with json.dumps' separators (llguidance's layout options): free whitespace lets a small model
-    # indent and wrap until it runs out of tokens
-    call = {**call, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+    # the server's JSON rules (engine.json_rules): one line, bounded numbers; llguidance reads the layout from
+    # x-guidance
+    call = {**bounded_numbers(call), "x-guidance": JSON_LAYOUT}
     if marker_token_id is not None:
         opener = f"<[{int(marker_token_id)}]>"
     else:

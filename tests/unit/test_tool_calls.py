@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from handler.engine.json_rules import bounded_numbers
 from handler.formatting.tool_calls import (
     FORMATS,
     HERMES,
@@ -365,7 +366,8 @@ def test_call_grammar_shape() -> None:
     assert (start, block) == ('start: block ("\\n" block)*', 'block: "<tool_call>" "\\n" call "\\n</tool_call>"')
     assert json.loads(call.removeprefix("call: %json ")) == {
         "type": "object",
-        "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER_TOOL["function"]["parameters"]},
+        "properties": {"name": {"const": "get_weather"},
+                       "arguments": bounded_numbers(WEATHER_TOOL["function"]["parameters"])},  # the JSON rules
         "required": ["name", "arguments"],
         "additionalProperties": False,
         "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
