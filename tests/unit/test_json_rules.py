@@ -21,6 +21,12 @@ def test_unbounded_integers_and_numbers_get_bounds_everywhere_in_the_schema() ->
     assert "maximum" not in props["scores"]["items"]["anyOf"][1]
     assert bounded["$defs"]["n"] == {"type": "number", "exclusiveMinimum": 0, "maximum": NUMBER_LIMIT}
     assert "minimum" not in schema["properties"]["population"]  # a copy: the request's schema is left alone
+    assert bounded["additionalProperties"] is False
+
+
+def test_an_object_keeps_its_own_additional_properties_rule() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}
+    assert bounded_numbers(schema) == schema
 
 
 def test_the_schema_own_bounds_and_values_are_left_alone() -> None:
