@@ -23,14 +23,13 @@ class Int8DynamicLinear:
     """Per-channel int8 weights, activations quantised per row onto an exact grid (fbgemm's integer GEMM); fp32 in
     and out. CPU only.
 
-    Why a row cannot depend on its neighbours, on any x86 kernel: each row is mapped affinely onto the integer grid
-    ``q / G - 1`` (``q`` in ``0..levels-1``, ``G = levels / 2``), so ``x ~ c + s * x'`` with per-row ``c`` and
-    ``s``, hence ``W x = s * (W x') + c * rowsum(W)``. ``x'`` is already rounded here, by elementwise torch ops,
-    and a constant sentinel row holding ``-1`` and ``(levels - 1) / G - 1`` makes fbgemm choose exactly scale
-    ``1 / G`` (a power of two) and zero point ``G`` for the whole tensor. Quantising a grid value with a
-    power-of-two scale is exact however the kernel does it (multiply by the inverse or divide, vector body or
-    scalar tail), the integer GEMM is exact (integer sums do not depend on blocking), and the float epilogue is
-    elementwise. The previous design left the rounding to fbgemm and failed on AVX-512.
+    Why a row cannot depend on its neighbours, on any x86 kernel: each row is mapped affinely onto the integers
+    ``k`` in ``-G..G-1`` (``G = levels / 2``), so ``x ~ c + s * k`` with per-row ``c`` and ``s``, hence
+    ``W x = s * (W k) + c * rowsum(W)``. ``k`` is already rounded here, by elementwise torch ops, and a constant
+    sentinel row holding ``-G`` and ``G - 1`` makes fbgemm choose exactly scale 1 and zero point ``G`` for the
+    whole tensor. Quantising an integer with scale 1 is exact however the kernel does it (multiply by the inverse
+    or divide, vector body or scalar tail), the integer GEMM is exact (integer sums do not depend on blocking),
+    and the float epilogue is elementwise. The previous design left the rounding to fbgemm.
 
     ``levels`` is 128 (7-bit activations, ``reduce_range``) where pairs of u8*s8 products are summed into int16
     (AVX2 without VNNI: 255*128*2 would saturate) and 256 where the kernel is proven exact at load
@@ -42,7 +41,7 @@ class Int8DynamicLinear:
         self.packed, self.row_sums = _pack(weight)
         self.bias = None if bias is None else bias.float()
         self.sentinel = torch.zeros(weight.shape[1])
-        self.sentinel[0], self.sentinel[-1] = -1.0, (self.levels - 1) / (self.levels // 2) - 1.0
+        self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = _int8_linear(x, self.packed, self.row_sums, self.sentinel, self.levels)
@@ -72,17 +71,16 @@ def _int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedPa
     rows = x.shape[0]
     grid = float(levels // 2)
     low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
-    step = ((high - low) / (levels - 1)).clamp(min=1e-9)
-    centre = low + step * grid  # x = centre + step * k, k = q - G an integer in -G..G-1
+    step = (high - low).mul_(1.0 / (levels - 1)).clamp_(min=1e-9)
+    centre = low.add_(step * grid)  # x = centre + step * k, k = q - G an integer in -G..G-1
     scaled = torch.empty(rows + 1, x.shape[1], dtype=x.dtype)
     torch.sub(x, centre, out=scaled[:rows])
-    # k = round((x - centre) / step) (the extremes land on -G and G-1), stored as k / G: exactly representable
-    # with a power-of-two scale, so every kernel quantises it back to q = k + G
-    scaled[:rows].mul_(1.0 / step).round_().mul_(1.0 / grid)
+    # k = round((x - centre) / step) (the extremes land on -G and G-1): an integer, so with scale 1 every kernel
+    # quantises it back to q = k + G exactly
+    scaled[:rows].div_(step).round_()
     scaled[rows].copy_(sentinel)
     y = torch.ops.quantized.linear_dynamic(scaled, packed, levels == 128)[:rows]
-    # x = centre + G * step * x'
-    return y.mul_(step * grid).addcmul_(centre, row_sums)
+    return y.mul_(step).addcmul_(centre, row_sums)  # x = centre + step * k
 
 
 _LEVELS: int | None = None
