@@ -184,6 +184,29 @@ def test_openai_stream_helper_fires_arguments_done_for_a_streamed_call(client: o
     assert final.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_tool_forcing_client_gets_a_parsed_call_and_no_markup(client: openai.OpenAI) -> None:
+    """What LlamaIndex's structured_predict does through OpenAI-compatible servers: force one strict pydantic
+    function and read its parsed arguments. Cut by max_tokens or not, content never carries call markup."""
+    import pydantic
+
+    class GetTime(pydantic.BaseModel):
+        """Get the current time in a timezone"""
+
+        timezone: str
+
+    tool = openai.pydantic_function_tool(GetTime)
+    completion = client.chat.completions.parse(model="m", messages=WEATHER_QUESTION, max_tokens=CALL_TOKENS,
+                                               tools=[tool], tool_choice={"type": "function",
+                                                                          "function": {"name": "GetTime"}})
+    message = completion.choices[0].message
+    assert message.content is None and completion.choices[0].finish_reason == "tool_calls"
+    [call] = message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetTime)
+    cut = client.chat.completions.create(model="m", messages=WEATHER_QUESTION, max_tokens=6, tools=[tool],
+                                         tool_choice={"type": "function", "function": {"name": "GetTime"}})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+
+
 # ---- tools shown, tool messages ----------------------------------------------------------------------------------
 
 
