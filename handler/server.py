@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import quote
 
 from flask import Flask, Response, g, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
+from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import metrics, request_log
 from handler.djl_routes import install_user_handler
@@ -90,16 +91,10 @@ _NOT_SERVED = {
 }
 
 
-def _route_error(status: int) -> ServingError:
-    """404 / 405 naming the route (on /v1/* in OpenAI's shape, elsewhere in the legacy shape)."""
-    route = f"{request.method} {request.path}"
-    if status == 405:
-        error = ServingError(f"method {request.method} is not allowed on {request.path}", code="method_not_allowed")
-    else:
-        reason = _NOT_SERVED.get(request.path.rstrip("/"), "no such route")
-        error = ServingError(f"{route}: {reason}", code="not_found")
-    error.status_code, error.error_type = status, "invalid_request_error"
-    return error
+def _no_route() -> NotFound:
+    """404 naming the route (on /v1/* in OpenAI's shape, elsewhere in the legacy shape)."""
+    reason = _NOT_SERVED.get(request.path.rstrip("/"), "no such route")
+    return NotFound(f"{request.method} {request.path}: {reason}", code="not_found")
 
 
 class Routes:
@@ -214,9 +209,7 @@ class Routes:
                                              request.headers.get(CUSTOM_ATTRIBUTES_HEADER),
                                              self.service.settings.extra_parameters)
         parsed, extras = parse_request(model, body, policy)
-        g.ignored_fields = extras.ignored
-        if extras.ignored and g.get("record") is not None:
-            g.record.ignored_fields = tuple(extras.ignored)
+        g.record.ignored_fields = tuple(extras.ignored)
         return parsed, extras
 
     def _model_card(self) -> dict:
@@ -281,14 +274,17 @@ class Routes:
     def http_error(self, error: HTTPException) -> Response:
         if isinstance(error, RequestEntityTooLarge):
             return self.serving_error(PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes"))
-        if error.code in (404, 405):
-            response = self.serving_error(_route_error(error.code))
-            if error.code == 405 and getattr(error, "valid_methods", None):
-                response.headers["Allow"] = ", ".join(sorted(error.valid_methods))
-            return response
+        if isinstance(error, NoRoute):
+            return self.serving_error(_no_route())
         wrapped = ServingError(error.description or error.name)
+        if isinstance(error, MethodNotAllowed):
+            wrapped = ServingError(f"method {request.method} is not allowed on {request.path}",
+                                   code="method_not_allowed")
         wrapped.status_code, wrapped.error_type = error.code or 500, "invalid_request_error"
-        return self.serving_error(wrapped)
+        response = self.serving_error(wrapped)
+        if isinstance(error, MethodNotAllowed) and error.valid_methods:
+            response.headers["Allow"] = ", ".join(sorted(error.valid_methods))
+        return response
 
     def unexpected_error(self, error: Exception) -> Response:
         log.exception("unexpected error")
@@ -304,9 +300,9 @@ class Routes:
     def finish_response(response: Response) -> Response:
         """Tag the response with its id; log and count the request once the response has been sent."""
         response.headers["X-Request-Id"] = g.get("request_id") or new_request_id("req")
-        if g.get("ignored_fields"):
-            response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in g.ignored_fields)
         record = g.get("record")
+        if record is not None and record.ignored_fields:
+            response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in record.ignored_fields)
         if record is not None and record.route not in UNLOGGED_ROUTES:
             record.schema = g.get("schema", "none")
             status = response.status_code

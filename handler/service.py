@@ -20,6 +20,7 @@ from handler.tokenization import PromptRenderer
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class Resolved:
     device: str

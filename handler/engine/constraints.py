@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from handler.engine.json_rules import JSON_LAYOUT, bounded_numbers
+from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
 
@@ -53,7 +53,7 @@ class GrammarCompiler:
 
         try:
             if spec.kind == "json_schema":
-                schema = bounded_numbers(json.loads(spec.source))
+                schema = apply_json_rules(json.loads(spec.source))
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.source)

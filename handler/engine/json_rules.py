@@ -20,13 +20,13 @@ NUMBER_LIMIT = 1e15
 _NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "x-guidance"})
 
 
-def bounded_numbers(schema: object) -> object:
-    """A copy of the schema with the bounds above added wherever an integer, a number or an object has none."""
+def apply_json_rules(schema: object) -> object:
+    """A copy of the schema with the rules above added wherever an integer, a number or an object has none."""
     if isinstance(schema, list):
-        return [bounded_numbers(item) for item in schema]
+        return [apply_json_rules(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    bounded = {key: value if key in _NOT_SCHEMAS else bounded_numbers(value) for key, value in schema.items()}
+    bounded = {key: value if key in _NOT_SCHEMAS else apply_json_rules(value) for key, value in schema.items()}
     types = schema.get("type")
     types = set(types) if isinstance(types, list) else {types}
     limit = INTEGER_LIMIT if "integer" in types and "number" not in types else NUMBER_LIMIT

@@ -58,7 +58,7 @@ class KVCache:
         if num_slots <= self.num_slots and length <= self.capacity:
             return
         slots = _grow(self.num_slots, num_slots, _MIN_SLOTS, self.max_slots)
-        capacity = whole_blocks(_grow(self.capacity, length, _MIN_LENGTH, self.max_len))
+        capacity = _grow(self.capacity, length, _MIN_LENGTH, self.max_len)  # all whole blocks, so is this
         keys, values = self._empty(slots, capacity), self._empty(slots, capacity)
         old_slots, old_len = self.num_slots, self.capacity
         keys[:, :old_slots, :, :old_len] = self.keys

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -85,8 +84,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     path, reason = choose_path(options, config)
     log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
     if path == "transformers":
-        loaded, tokenizer = _load_reference(options, load_full_tokenizer)
-        return dataclasses.replace(loaded, path_reason=reason), tokenizer
+        return _load_reference(options, load_full_tokenizer, reason)
     if needs_transformers(config):
         _import_transformers()
     loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
@@ -129,7 +127,8 @@ def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     return "lean", "the lean engine implements this checkpoint"
 
 
-def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, object]:
+def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
+                    reason: str) -> tuple[LoadedModel, object]:
     """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
     if options.quantize_asked:
         raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the transformers path "
@@ -140,7 +139,7 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
     grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
-                         grammar=grammar, path="transformers")
+                         grammar=grammar, path="transformers", path_reason=reason)
     return loaded, tokenizer
 
 
@@ -159,10 +158,9 @@ def _import_transformers() -> None:
 
 def _load_model(model_dir: Path, config: dict, dtype: torch.dtype, device: torch.device,
                 max_model_len: int) -> tuple[DecoderModel, object | None]:
-    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``). What the
-    lean engine does not implement is refused (``support``) before any weight is read."""
+    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``). A text
+    model was checked by ``choose_path``; a VLM's language model is checked here, before any weight is read."""
     if not vision.is_vision_model(config):
-        check_lean(config, tensor_names(model_dir), max_model_len)
         return DecoderModel(model_dir, dtype=dtype, device=device, config=config), None
     text = vision.text_config(config)
     vision.check_text_model(text, max_model_len)

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from handler.engine.kv_cache import KEY_BLOCK, KVCache, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.support import rope_type
+from handler.engine.support import rope_parameters, rope_type
 
 
 @dataclass(slots=True)
@@ -152,7 +152,7 @@ class DecoderModel:
 
         Plain RoPE is computed here (importing transformers' model code costs a second of start-up); every scaled
         variant comes from transformers' own rotary module."""
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope = rope_parameters(config)
         if rope_type(config) == "default":
             theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
             dim = self.shape.head_dim
@@ -281,7 +281,7 @@ def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, in
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
     """A boolean mask (True = may attend) as the float mask attention adds to its scores: 0 or -inf."""
-    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(allowed.logical_not(), float("-inf"))
+    return torch.where(allowed, 0.0, float("-inf"))
 
 
 def _key_blocks(slot: int, start: int, length: int) -> list[tuple[int, int, int]]:

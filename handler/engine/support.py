@@ -30,8 +30,13 @@ class UnsupportedModel(ValueError):
     """The lean engine does not implement this checkpoint; the message is one line naming why."""
 
 
+def rope_parameters(config: dict) -> dict:
+    """The RoPE settings, under transformers 5's name or the older one."""
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
 def rope_type(config: dict) -> str:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope_parameters(config)
     return rope.get("rope_type", rope.get("type", "default"))
 
 
@@ -71,7 +76,7 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
         reasons.append(f"pre-quantised weights (quantization_config {method})")
     if (act := config.get("hidden_act", "silu")) != "silu":
         reasons.append(f"hidden_act {act!r} (only silu)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope_parameters(config)
     if (kind := rope_type(config)) not in LEAN_ROPE_TYPES:
         reasons.append(f"rope_type {kind!r} (it runs {', '.join(LEAN_ROPE_TYPES)})")
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))

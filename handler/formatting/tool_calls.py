@@ -25,7 +25,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from handler.engine.json_rules import JSON_LAYOUT, bounded_numbers
+from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
 
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHON_TAG = "<|python_tag|>"
@@ -249,7 +249,7 @@ def call_grammar(tools: list[dict], fmt: str, *, parallel: bool, marker_token_id
         call = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
     # the server's JSON rules (engine.json_rules): one line, bounded numbers; llguidance reads the layout from
     # x-guidance
-    call = {**bounded_numbers(call), "x-guidance": JSON_LAYOUT}
+    call = {**apply_json_rules(call), "x-guidance": JSON_LAYOUT}
     if marker_token_id is not None:
         opener = f"<[{int(marker_token_id)}]>"
     else:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,3 +92,27 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 @pytest.fixture(scope="session")
 def url(server: RunningServer) -> str:
     return server.url
+
+
+def local_runtime(container_url: str) -> Iterator[str]:
+    """The local SageMaker runtime (``handler.local_runtime``) in front of a server, on a thread; yields its URL.
+    16-byte PayloadParts, so stream records are cut across parts as the real service may cut them."""
+    from handler.local_runtime import RuntimeConfig, make_server
+
+    runtime = make_server(RuntimeConfig(container_url=container_url, max_part_bytes=16), "127.0.0.1", 0)
+    threading.Thread(target=runtime.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{runtime.server_address[1]}"
+    finally:
+        runtime.shutdown()
+        runtime.server_close()
+
+
+def runtime_client(runtime_url: str):
+    """boto3's sagemaker-runtime client, unmodified, pointed at a local runtime (dummy credentials, no retries)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("sagemaker-runtime", endpoint_url=runtime_url, region_name="us-east-1",
+                        aws_access_key_id="test", aws_secret_access_key="test",
+                        config=Config(retries={"max_attempts": 1}))

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-import threading
 
-import boto3
 import pytest
-from botocore.config import Config
 
-from handler.local_runtime import RuntimeConfig, make_server
+from tests.e2e.conftest import local_runtime, runtime_client
 
 
 @pytest.fixture(scope="module")
 def runtime(url):
-    server = make_server(RuntimeConfig(container_url=url, max_part_bytes=16), "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    client = boto3.client("sagemaker-runtime", endpoint_url=f"http://127.0.0.1:{server.server_address[1]}",
-                          region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test",
-                          config=Config(retries={"max_attempts": 1}))
-    yield client
-    server.shutdown()
-    server.server_close()
+    for runtime_url in local_runtime(url):
+        yield runtime_client(runtime_url)
 
 
 def test_invoke_endpoint_legacy(runtime):

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterator
 
-import boto3
 import pytest
-from botocore.config import Config
 
-from handler.local_runtime import RuntimeConfig, make_server
-from tests.e2e.conftest import RunningServer, start_server, stop_server
+from tests.e2e.conftest import RunningServer, local_runtime, runtime_client, start_server, stop_server
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list at import
 
@@ -34,20 +30,10 @@ QUESTION = {"sagemaker_chat": [{"role": "user", "content": "What is the capital 
             "sagemaker": [{"role": "user", "content": "The capital of France is"}]}
 
 
-def emulate(container_url: str) -> Iterator[str]:
-    runtime = make_server(RuntimeConfig(container_url=container_url, max_part_bytes=16), "127.0.0.1", 0)
-    threading.Thread(target=runtime.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{runtime.server_address[1]}"
-    finally:
-        runtime.shutdown()
-        runtime.server_close()
-
-
 @pytest.fixture(scope="module")
 def runtime_url(url: str) -> Iterator[str]:
     """The local runtime in front of the session's server (default settings)."""
-    yield from emulate(url)
+    yield from local_runtime(url)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +47,7 @@ def tgi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServ
 
 @pytest.fixture(scope="module")
 def tgi_runtime_url(tgi_server: RunningServer) -> Iterator[str]:
-    yield from emulate(tgi_server.url)
+    yield from local_runtime(tgi_server.url)
 
 
 @pytest.fixture(autouse=True)
@@ -117,9 +103,6 @@ def test_langchain_aws_sagemaker_endpoint_with_its_docstring_handler(tgi_runtime
         def transform_output(self, output) -> str:
             return json.loads(output.read().decode("utf-8"))[0]["generated_text"]
 
-    client = boto3.client("sagemaker-runtime", endpoint_url=tgi_runtime_url, region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test",
-                          config=Config(retries={"max_attempts": 1}))
-    llm = SagemakerEndpoint(endpoint_name="local", client=client, content_handler=ContentHandler(),
-                            model_kwargs={"max_new_tokens": 8})
+    llm = SagemakerEndpoint(endpoint_name="local", client=runtime_client(tgi_runtime_url),
+                            content_handler=ContentHandler(), model_kwargs={"max_new_tokens": 8})
     assert "Paris" in llm.invoke("The capital of France is")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handler.engine.json_rules import INTEGER_LIMIT, NUMBER_LIMIT, bounded_numbers
+from handler.engine.json_rules import INTEGER_LIMIT, NUMBER_LIMIT, apply_json_rules
 
 
 def test_unbounded_integers_and_numbers_get_bounds_everywhere_in_the_schema() -> None:
@@ -12,7 +12,7 @@ def test_unbounded_integers_and_numbers_get_bounds_everywhere_in_the_schema() ->
         "either": {"type": ["integer", "null"]},
         "scores": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
     }, "$defs": {"n": {"type": "number", "exclusiveMinimum": 0}}}
-    bounded = bounded_numbers(schema)
+    bounded = apply_json_rules(schema)
     props = bounded["properties"]
     assert (props["population"]["minimum"], props["population"]["maximum"]) == (-INTEGER_LIMIT, INTEGER_LIMIT)
     assert (props["ratio"]["minimum"], props["ratio"]["maximum"]) == (-NUMBER_LIMIT, NUMBER_LIMIT)
@@ -26,9 +26,9 @@ def test_unbounded_integers_and_numbers_get_bounds_everywhere_in_the_schema() ->
 
 def test_an_object_keeps_its_own_additional_properties_rule() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}
-    assert bounded_numbers(schema) == schema
+    assert apply_json_rules(schema) == schema
 
 
 def test_the_schema_own_bounds_and_values_are_left_alone() -> None:
     schema = {"type": "integer", "minimum": 0, "maximum": 10, "enum": [{"type": "integer"}], "default": 3}
-    assert bounded_numbers(schema) == schema
+    assert apply_json_rules(schema) == schema

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from handler.engine.json_rules import bounded_numbers
+from handler.engine.json_rules import apply_json_rules
 from handler.formatting.tool_calls import (
     FORMATS,
     HERMES,
@@ -367,7 +367,7 @@ def test_call_grammar_shape() -> None:
     assert json.loads(call.removeprefix("call: %json ")) == {
         "type": "object",
         "properties": {"name": {"const": "get_weather"},
-                       "arguments": bounded_numbers(WEATHER_TOOL["function"]["parameters"])},  # the JSON rules
+                       "arguments": apply_json_rules(WEATHER_TOOL["function"]["parameters"])},  # the JSON rules
         "required": ["name", "arguments"],
         "additionalProperties": False,
         "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
