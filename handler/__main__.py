@@ -5,11 +5,9 @@ before any worker starts, so a bad setting ends the start with one line naming i
 its own engine (one model per process) in a background thread; the port opens at once and /ping answers 503
 until the model is loaded and warmed.
 
-gunicorn settings from the SageMaker conventions: ``SAGEMAKER_BIND_TO_PORT`` (8080), ``SAGEMAKER_MODEL_SERVER_WORKERS``
-(1: one process already uses every core through torch, and each worker holds a copy of the model),
-``SAGEMAKER_MODEL_SERVER_TIMEOUT`` (worker silence timeout, 120 s), ``SAGEMAKER_CONTAINER_LOG_LEVEL``.
-``SAGEMAKER_MODEL_SERVER_THREADS`` (128) is how many requests one worker holds open at once; they all share the
-engine's batch.
+gunicorn's settings come from ``Settings`` (host, port, workers, threads, graceful_timeout, log_level,
+worker_timeout), which reads SageMaker's environment names (``config.ENV_NAMES``); this module reads none itself.
+The threads of one worker all share the engine's batch.
 
 Metrics: the workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` so a scrape that reaches any worker sees all
 of them. The master makes that folder before forking (prometheus-client picks its mode from the variable when it is
@@ -32,21 +30,17 @@ from handler.djl import find_entry_point
 from handler.errors import ConfigError
 from handler.preflight import preflight
 
-_LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical"}
 
-
-def gunicorn_options(environ: dict[str, str], host: str) -> dict:
-    workers = int(environ.get("SAGEMAKER_MODEL_SERVER_WORKERS", "1"))
-    level = environ.get("SAGEMAKER_CONTAINER_LOG_LEVEL", "info").lower()
+def gunicorn_options(settings: Settings) -> dict:
     return {
-        "bind": f"{host}:{environ.get('SAGEMAKER_BIND_TO_PORT', '8080')}",
-        "workers": workers,
+        "bind": f"{settings.host}:{settings.port}",
+        "workers": settings.workers,
         "worker_class": "gthread",
-        "threads": int(environ.get("SAGEMAKER_MODEL_SERVER_THREADS", "128")),
-        "timeout": int(environ.get("SAGEMAKER_MODEL_SERVER_TIMEOUT", "120")),
-        "graceful_timeout": int(environ.get("SERVER_GRACEFUL_TIMEOUT", "25")),  # SageMaker kills 30 s after SIGTERM
+        "threads": settings.threads,
+        "timeout": settings.worker_timeout,
+        "graceful_timeout": settings.graceful_timeout,
         "keepalive": 75,
-        "loglevel": _LOG_LEVELS.get(level, level),
+        "loglevel": settings.log_level,
         "accesslog": None,
         "errorlog": "-",
         "backlog": 2048,
@@ -151,10 +145,12 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m handler")
     parser.add_argument("command", choices=["serve"], help="SageMaker starts containers with 'serve'")
-    parser.add_argument("--host", default=os.environ.get("SERVER_HOST", "0.0.0.0"))
+    parser.add_argument("--host", help="the address to bind (default: option.host, SERVER_HOST, 0.0.0.0)")
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
+        if args.host:
+            settings = settings.model_copy(update={"host": args.host})
         if find_entry_point(settings.model_dir, settings.entryPoint) is None:  # a user's model.py may serve it
             preflight(settings)
     except ConfigError as error:
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     made_dir, master_pid = prepare_metrics_dir(os.environ), os.getpid()  # before gunicorn forks any worker
     try:
-        run_server(settings, gunicorn_options(dict(os.environ), args.host))
+        run_server(settings, gunicorn_options(settings))
     finally:  # a worker's SystemExit comes through here too: only the master removes the folder
         if made_dir is not None and os.getpid() == master_pid:
             shutil.rmtree(made_dir, ignore_errors=True)

@@ -3,8 +3,8 @@
 Precedence, highest first (LMI's rules, so LMI users can move over):
 - ``HF_MODEL_ID`` for ``option.model_id``; ``OPTION_FOO_BAR=x`` for ``option.foo_bar`` (the part after ``OPTION_``
   is lower-cased only when it is all upper case, so ``OPTION_entryPoint`` keeps its case; ``_`` never becomes ``.``);
-- TGI's names (``MAX_BATCH_SIZE``, ``MAX_TOTAL_TOKENS``, ``MAX_CONCURRENT_REQUESTS``) and SageMaker's
-  (``SAGEMAKER_MODEL_SERVER_TIMEOUT``, ``SAGEMAKER_CONTAINER_LOG_LEVEL``) when ours are unset;
+- every other environment name (TGI's, SageMaker's, ours for the process) when ours are unset: ``ENV_NAMES``, the
+  one table of them (nothing else in the server reads an environment name for a setting);
 - the properties file: ``$SERVING_PROPERTIES``, else ``serving.properties`` in the model directory, else the one
   shipped at the repository root.
 The model: ``option.model_id`` when set (a local folder; hub ids are refused: no network at run time), else the
@@ -13,6 +13,7 @@ SageMaker model directory ``/opt/ml/model`` when it holds a model, else the embe
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -26,11 +27,24 @@ from handler.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "model_store" / "smollm2-135m-instruct"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
-# MAX_CONCURRENT_REQUESTS counts running and waiting requests in TGI; ours bounds the waiting ones only.
-TGI_ALIASES = {"MAX_BATCH_SIZE": "max_rolling_batch_size", "MAX_TOTAL_TOKENS": "max_model_len",
-               "MAX_CONCURRENT_REQUESTS": "max_queue_size"}
-# SageMaker's conventions fill settings of ours that are unset.
-SAGEMAKER_ALIASES = {"SAGEMAKER_MODEL_SERVER_TIMEOUT": "request_timeout", "SAGEMAKER_CONTAINER_LOG_LEVEL": "log_level"}
+# Environment name -> the setting it fills when serving.properties and OPTION_* leave it unset.
+ENV_NAMES = {
+    # TGI's (MAX_CONCURRENT_REQUESTS counts running and waiting requests in TGI; ours bounds the waiting ones only)
+    "MAX_BATCH_SIZE": "max_rolling_batch_size",
+    "MAX_TOTAL_TOKENS": "max_model_len",
+    "MAX_CONCURRENT_REQUESTS": "max_queue_size",
+    # SageMaker's
+    "SAGEMAKER_MODEL_SERVER_TIMEOUT": "request_timeout",
+    "SAGEMAKER_CONTAINER_LOG_LEVEL": "log_level",
+    "SAGEMAKER_BIND_TO_PORT": "port",
+    "SAGEMAKER_MODEL_SERVER_WORKERS": "workers",
+    "SAGEMAKER_MODEL_SERVER_THREADS": "threads",
+    # ours, for the process
+    "SERVER_HOST": "host",
+    "SERVER_GRACEFUL_TIMEOUT": "graceful_timeout",
+}
+# gunicorn kills a worker silent this long; never shorter than a request may run
+MIN_WORKER_TIMEOUT_S = 120
 LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50": "critical", "warn": "warning",
               **{name: name for name in ("debug", "info", "warning", "error", "critical")}}
 # LMI's other option.rolling_batch values, and why this server does not take them
@@ -75,6 +89,13 @@ class Settings(BaseModel):
     log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
     log_prompts: bool = False                               # put the prompt in each request's log line
     entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module
+    # The process (gunicorn): SageMaker's names above. One worker: one process already uses every core through
+    # torch, and each worker holds a copy of the model. Threads: requests one worker holds open at once.
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=1, le=65535)
+    workers: int = Field(1, ge=1)
+    threads: int = Field(128, ge=1)
+    graceful_timeout: int = Field(25, ge=1)                 # seconds after SIGTERM; SageMaker kills at 30
     # Tool calls: the format the model writes them in (vLLM's --tool-call-parser); auto: detected from the template
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     # Images in chat requests (vision models): URL fetching and its limits; data: URIs and base64 always work
@@ -118,6 +139,11 @@ class Settings(BaseModel):
     @property
     def model_dir(self) -> Path:
         return Path(self.model_id) if self.model_id else DEFAULT_MODEL_DIR
+
+    @property
+    def worker_timeout(self) -> int:
+        """gunicorn's worker silence timeout: 120 s, or the request timeout when that is longer."""
+        return max(MIN_WORKER_TIMEOUT_S, math.ceil(self.request_timeout))
 
 
 def parse_properties(text: str) -> dict[str, str]:
@@ -169,7 +195,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     path = properties_path(environ, model_root)
     raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
     raw.update(env_overrides(environ))
-    for name, alias in {**TGI_ALIASES, **SAGEMAKER_ALIASES}.items():  # they only fill what ours leave unset
+    for name, alias in ENV_NAMES.items():  # they only fill what ours leave unset
         if name in environ:
             raw.setdefault(alias, environ[name])
     if not raw.get("model_id") and (model_root / "config.json").is_file():

@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from handler.engine.engine import EngineStats
+from handler.engine.backend import EngineStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

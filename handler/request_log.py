@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from handler import metrics
-from handler.engine.engine import is_timeout_error
-from handler.engine.sequence import RequestHandle
-from handler.engine.types import FinishReason, GenerationRequest, TokenEvent
+from handler.engine.backend import GenerationHandle
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
 from handler.errors import GatewayTimeout
 
 REQUEST_LOGGER = "handler.requests"
@@ -85,7 +84,7 @@ class ObservedHandle:
     through the server's usual error paths.
     """
 
-    def __init__(self, handle: RequestHandle, record: RequestRecord) -> None:
+    def __init__(self, handle: GenerationHandle, record: RequestRecord) -> None:
         self._handle = handle
         self._record = record
         record.num_prompt_tokens += len(handle.request.prompt_ids)
@@ -105,7 +104,7 @@ class ObservedHandle:
                 if gap is not None:
                     metrics.record_token_gap(gap)
                 num_finished += event.finish_reason is not None
-                if event.finish_reason is FinishReason.ERROR and is_timeout_error(event.error):
+                if event.finish_reason is FinishReason.ERROR and event.error_kind is ErrorKind.TIMEOUT:
                     metrics.record_timeout()
                     raise GatewayTimeout(event.error)
                 yield event

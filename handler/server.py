@@ -22,14 +22,13 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 from werkzeug.exceptions import NotFound as NoRoute
 
-from handler import metrics, request_log
+from handler import intake, metrics, request_log
 from handler.djl_routes import install_user_handler
-from handler.engine.engine import Admission, Engine
 from handler.errors import BadRequest, EngineError, NotFound, NotReady, Overloaded, PayloadTooLarge, ServingError
 from handler.formatting import chat as chat_format
 from handler.formatting import completions as completions_format
 from handler.formatting import legacy as legacy_format
-from handler.formatting.context import FormatContext
+from handler.formatting.context import ChatContext, CompletionsContext, FormatContext, LegacyContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import (
@@ -57,7 +56,6 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     request_log.configure_logging(service.settings.log_level)
-    connect_engine(service)
     routes = Routes(service, is_draining)
 
     app.add_url_rule("/ping", view_func=routes.ping, methods=["GET"])
@@ -75,13 +73,6 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     if service.user_handler is not None:
         install_user_handler(app, routes.invocations, service)
     return app
-
-
-def connect_engine(service: ModelService) -> None:
-    """Hand the engine its limits and the metrics listener (an engine of another kind, e.g. a test's, is left)."""
-    if isinstance(service.engine, Engine):
-        settings = service.settings
-        service.engine.configure(Admission(settings.max_queue_size, settings.request_timeout), metrics.record_step)
 
 
 # OpenAI routes this server does not have, and what to use instead
@@ -145,10 +136,11 @@ class Routes:
     def _chat(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(ChatCompletionRequest, body)
         self._note(bool(parsed.stream), body.get("messages"))
-        generation = extras.apply(parsed.to_generation_request(self._renderer(), self.service.default_temperature))
+        renderer = self._renderer()
+        generation = extras.apply(intake.chat_request(parsed, renderer, self.service.defaults.temperature))
         handle = self._submit(generation)
-        plan = parsed.output_plan(self._renderer())
-        ctx = self._context(generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
+        plan = parsed.output_plan(renderer)
+        ctx = self._context(ChatContext, generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                             keep_best=parsed.n if parsed.best_of else None,
                             tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
@@ -164,11 +156,11 @@ class Routes:
     def _legacy(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(LegacyRequest, body)
         self._note(bool(parsed.stream), body.get("inputs"))
-        generations = [extras.apply(generation) for generation in parsed.to_generation_requests(
-            self._renderer(), self.service.settings.default_max_new_tokens)]
+        generations = [extras.apply(generation) for generation in intake.legacy_requests(
+            parsed, self._renderer(), self.service.defaults.max_new_tokens)]
         handles = self._submit_all(generations)
         p = parsed.parameters
-        ctx = self._context(generations[0].request_id, None, want_logprobs=p.details,
+        ctx = self._context(LegacyContext, generations[0].request_id, None, want_logprobs=p.details,
                             return_full_text=p.return_full_text, want_top_tokens=bool(p.top_n_tokens))
         if parsed.stream:
             records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
@@ -186,10 +178,11 @@ class Routes:
     def _completions(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(CompletionRequest, body)
         self._note(bool(parsed.stream), body.get("prompt"))
-        generations = [extras.apply(generation) for generation in parsed.to_generation_requests(
-            self._renderer(), self.service.default_temperature)]
+        generations = [extras.apply(generation) for generation in intake.completion_requests(
+            parsed, self._renderer(), self.service.defaults.temperature)]
         handles = self._submit_all(generations)
-        ctx = self._context(generations[0].request_id, parsed.model, want_logprobs=parsed.logprobs is not None,
+        ctx = self._context(CompletionsContext, generations[0].request_id, parsed.model,
+                            want_logprobs=parsed.logprobs is not None,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                             prompt_texts=tuple(parsed.prompts), return_full_text=parsed.echo,
                             keep_best=parsed.n if parsed.best_of else None, suffix=parsed.suffix or "")
@@ -254,10 +247,10 @@ class Routes:
             raise
         return handles
 
-    def _context(self, request_id: str, model: str | None, **options) -> FormatContext:
+    def _context(self, kind: type[FormatContext], request_id: str, model: str | None, **options) -> FormatContext:
         renderer = self.service.renderer
-        return FormatContext(request_id=request_id, model=model or self.service.model_name, created=int(time.time()),
-                             token_text=renderer.token_text, token_bytes=renderer.token_bytes, **options)
+        return kind(request_id=request_id, model=model or self.service.model_name, created=int(time.time()),
+                    token_text=renderer.token_text, token_bytes=renderer.token_bytes, **options)
 
     # ---- errors -------------------------------------------------------------------------------------------
     def serving_error(self, error: ServingError) -> Response:

@@ -1,4 +1,5 @@
-"""Wires settings to a running engine: resolves device, dtype and limits, loads the model in the background."""
+"""Wires settings to a running backend: resolves device, dtype, limits and request defaults, picks the backend,
+loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 from handler import metrics
 from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
-from handler.engine.engine import Engine, EngineLimits, LoadedModel
+from handler.engine.backend import Admission, EngineBackend, EngineLimits
+from handler.engine.engine import Engine, LoadedModel
 from handler.errors import ConfigError
-from handler.multimodal import VisionRenderer, image_loader
 from handler.preflight import context_length
-from handler.tokenization import PromptRenderer
+from handler.prompt.renderer import PromptRenderer
+from handler.prompt.vision import VisionRenderer, image_loader
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,29 @@ def engine_limits(settings: Settings) -> EngineLimits:
                         max_step_tokens=max(settings.max_num_batched_tokens, settings.max_rolling_batch_size + 1))
 
 
-def default_temperature(settings: Settings) -> float:
+@dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    """What a request gets for a field it leaves out, decided here only. (A chat or completions request without
+    max_tokens may run to the context limit: that is the engine's meaning of ``max_new_tokens=None``.)"""
+
+    temperature: float          # chat and completions: the model's own, from generation_config.json
+    max_new_tokens: int         # legacy schema: option.default_max_new_tokens
+
+
+def request_defaults(settings: Settings) -> RequestDefaults:
     """The model's sampling temperature from generation_config.json when it samples by default, else 0 (greedy)."""
     path = settings.model_dir / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    return float(config.get("temperature", 1.0)) if config.get("do_sample") else 0.0
+    temperature = float(config.get("temperature", 1.0)) if config.get("do_sample") else 0.0
+    return RequestDefaults(temperature, settings.default_max_new_tokens)
+
+
+def create_backend(settings: Settings, load: Callable[[], LoadedModel], on_ready: Callable[[], None],
+                   on_failed: Callable[[str], None]) -> EngineBackend:
+    """The backend ``option.rolling_batch`` names, with its limits, admission and stats listener. auto, lean and
+    transformers all run on the lean engine; which model code its runner uses is ``loader.choose_path``'s choice."""
+    admission = Admission(settings.max_queue_size, settings.request_timeout)
+    return Engine(load, engine_limits(settings), admission, metrics.record_step, on_ready, on_failed)
 
 
 class ModelService:
@@ -67,15 +87,14 @@ class ModelService:
         self.model_name = settings.model_dir.name
         self.renderer: PromptRenderer | None = None
         self.engine_path: str | None = None  # "lean" or "transformers" once loaded
-        self.engine = Engine(self._load, engine_limits(settings), on_ready=on_loaded, on_failed=on_load_failed)
+        self.engine = create_backend(settings, self._load, on_loaded, on_load_failed)
         self._num_threads = num_threads
-        self._on_loaded = on_loaded
         entry_point = find_entry_point(settings.model_dir, settings.entryPoint)
         self.handler_properties = {k: str(v) for k, v in settings.model_dump().items() if v is not None}
         self.handler_properties["model_dir"] = str(settings.model_dir)
         self.user_handler = UserHandler(entry_point, self.handler_properties) if entry_point else None
         self.handler_error: str | None = None
-        self.default_temperature = default_temperature(settings)
+        self.defaults = request_defaults(settings)
 
     def start(self) -> None:
         self.engine.start()
@@ -111,13 +130,13 @@ class ModelService:
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                               self.engine.limits.max_running, self.engine.limits.max_model_len,
                               self.settings.rolling_batch, self.settings.quantize == "dynamic_int8")
-        loaded, tokenizer = load(options, lambda: load_tokenizer(self.settings.model_dir))
-        self.renderer = self._renderer(tokenizer, loaded.vision)
+        loaded, parts = load(options, lambda: load_tokenizer(self.settings.model_dir))
+        self.renderer = self._renderer(parts.tokenizer, parts.vision)
         self.engine_path = loaded.path
         metrics.record_engine_path(loaded.path, loaded.path_reason)
         log.info("loaded %s on %s (%s%s%s), pid %d", self.model_name, resolved.device, resolved.dtype,
                  ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
-                 ", vision" if loaded.vision else "", os.getpid())
+                 ", vision" if parts.vision else "", os.getpid())
         return loaded
 
     def _renderer(self, tokenizer, encoder) -> PromptRenderer:

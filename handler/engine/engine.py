@@ -22,51 +22,24 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.constraints import GrammarCompiler
 from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.runner import ModelRunner, StepOutput
 from handler.engine.sampler import RowState, SampleResult, sample
 from handler.engine.scheduler import Scheduler, StepPlan
 from handler.engine.sequence import RequestHandle, RequestState, Sequence, make_generator
-from handler.engine.types import FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
+from handler.engine.types import (
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    StopConditions,
+    TokenEvent,
+    TopLogprob,
+)
 from handler.errors import BadRequest, EngineError, NotReady, Overloaded, Unprocessable
 
 log = logging.getLogger(__name__)
-
-TIMEOUT_ERROR_PREFIX = "request timed out after"
-
-
-def is_timeout_error(error: str | None) -> bool:
-    """Whether an error event's message is the engine's deadline (the server answers those with 504)."""
-    return bool(error) and error.startswith(TIMEOUT_ERROR_PREFIX)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    max_running: int          # sequences decoded together (option.max_rolling_batch_size)
-    max_model_len: int        # prompt + completion tokens
-    max_step_tokens: int      # tokens one step may process (option.max_num_batched_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """How much waiting the engine accepts (``None``: no limit)."""
-
-    max_waiting: int | None = None     # requests without a batch slot (option.max_queue_size)
-    timeout_s: float | None = None     # seconds from submit to the last event (option.request_timeout)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """What the engine reports to its listener after each step, and once when it goes idle."""
-
-    num_running: int                   # requests holding batch slots
-    num_waiting: int                   # requests submitted but without a slot
-    batch_size: int                    # sequences in the step just run (0: no step ran)
-    num_sampled: int                   # tokens sampled since the previous report
-    kv_cache_used_bytes: int           # cache positions holding tokens of running sequences
-    kv_cache_allocated_bytes: int
-
 
 @dataclass(slots=True, eq=False)
 class TrackedRequest(RequestState):
@@ -91,13 +64,19 @@ class LoadedModel:
     special_token_ids: frozenset[int]
     vocab_size: int
     grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
-    vision: object | None = None              # a vision-language model's VisionEncoder (used by the renderer)
     path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
     path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
 
 
+NO_LIMITS = Admission()
+
+
 class Engine:
-    def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits,
+    """The lean engine backend (``backend.EngineBackend``): ``load`` runs on the engine thread and returns the model;
+    ``on_stats`` runs on the engine thread after steps and must be quick."""
+
+    def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits, admission: Admission = NO_LIMITS,
+                 on_stats: Callable[[EngineStats], None] | None = None,
                  on_ready: Callable[[], None] = lambda: None,
                  on_failed: Callable[[str], None] = lambda reason: None) -> None:
         self._load = load
@@ -111,8 +90,8 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.load_error: str | None = None
-        self._admission = Admission()
-        self._listener: Callable[[EngineStats], None] | None = None
+        self.admission = admission
+        self._listener = on_stats
         self._last_stats: EngineStats | None = None
         self._submit_lock = threading.Lock()
         self._pending: list[TrackedRequest] = []    # submitted requests that may still be waiting
@@ -137,18 +116,13 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
 
-    def configure(self, admission: Admission, listener: Callable[[EngineStats], None] | None = None) -> None:
-        """Set the limits and the stats listener (the listener runs on the engine thread and must be quick)."""
-        self._admission = admission
-        self._listener = listener
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``ServingError`` for one that cannot be served."""
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
         request = self.fit_prompt(request)
         self.validate(request)
-        timeout = self._admission.timeout_s
+        timeout = self.admission.timeout_s
         deadline = time.monotonic() + timeout if timeout is not None else math.inf
         matcher = self._compile_grammar(request)
         state = TrackedRequest(request, self._new_sequence, deadline=deadline, matcher=matcher)
@@ -167,7 +141,7 @@ class Engine:
 
     def _check_queue_room(self) -> None:
         self._pending = [s for s in self._pending if s.is_waiting]
-        limit = self._admission.max_waiting
+        limit = self.admission.max_waiting
         if limit is not None and len(self._pending) >= limit:
             raise Overloaded(f"the server is busy: {len(self._pending)} requests are already waiting for a batch "
                              "slot (option.max_queue_size); retry later")
@@ -181,17 +155,17 @@ class Engine:
             return request
         if request.prompt_embeds is not None:
             raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
-                             "images", param="messages")
+                             "images", param=request.prompt_param)
         return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
 
     def validate(self, request: GenerationRequest) -> None:
         num_prompt = len(request.prompt_ids)
         if num_prompt == 0:
-            raise BadRequest("the prompt is empty after tokenisation", param="prompt")
+            raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
         if num_prompt >= self.limits.max_model_len:
             raise BadRequest(f"the prompt has {num_prompt} tokens; this model's context is "
                              f"{self.limits.max_model_len} tokens (option.max_model_len), prompt and completion "
-                             "together", param="messages")
+                             "together", param=request.prompt_param)
         if request.n > self.limits.max_running:
             raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the "
                              f"{self.limits.max_running} sequences this server runs at once "
@@ -361,7 +335,7 @@ class Engine:
         return None
 
     def _finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
         sequence.finish_reason = reason
         if sequence.slot >= 0:
             move = self._scheduler.remove(sequence)
@@ -369,7 +343,8 @@ class Engine:
                 self._loaded.runner.move(move)
         base = event or TokenEvent(index=sequence.index, token_id=None, text="")
         sequence.request.events.put(dataclasses.replace(
-            base, finish_reason=reason, error=error, num_prompt_tokens=sequence.num_prompt_tokens,
+            base, finish_reason=reason, error=error, error_kind=error_kind if error else None,
+            num_prompt_tokens=sequence.num_prompt_tokens,
             num_generated_tokens=len(sequence.output_ids)))
 
     def _drop_cancelled(self) -> None:
@@ -391,16 +366,17 @@ class Engine:
             self._expire(state)
 
     def _expire(self, state: TrackedRequest) -> None:
-        message = f"{TIMEOUT_ERROR_PREFIX} {self._admission.timeout_s:g} s (option.request_timeout)"
+        message = f"request timed out after {self.admission.timeout_s:g} s (option.request_timeout)"
         state.is_expired = True
         for sequence in list(state.sequences):
             if sequence.finish_reason is None:
-                self._finish(sequence, FinishReason.ERROR, error=message)
+                self._finish(sequence, FinishReason.ERROR, error=message, error_kind=ErrorKind.TIMEOUT)
         started = {s.index for s in state.sequences}
         for index in range(state.request.n):  # choices not forked yet (or never admitted) end too
             if index not in started:
                 state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
-                                            error=message, num_prompt_tokens=len(state.request.prompt_ids)))
+                                            error=message, error_kind=ErrorKind.TIMEOUT,
+                                            num_prompt_tokens=len(state.request.prompt_ids)))
 
     def _report(self, batch_size: int) -> None:
         """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""

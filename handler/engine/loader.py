@@ -75,10 +75,19 @@ def chat_template_prefix(tokenizer) -> list[int]:
     return a[:common]
 
 
-def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, object]:
-    """The model and its tokenizer. transformers' tokenizer (needed for the chat template) takes seconds to
-    import and load, so it loads on another thread while the weights load and quantise; calibration only needs
-    the fast tokenizer. Returns the loaded model and the transformers tokenizer."""
+@dataclass(frozen=True, slots=True)
+class PromptParts:
+    """What the prompt layer needs from a load: the transformers tokenizer (chat template) and, for a
+    vision-language model, its vision encoder. The engine never reads them."""
+
+    tokenizer: object
+    vision: object | None = None      # engine.vision.VisionEncoder
+
+
+def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
+    """What the engine runs, and what the prompt layer renders with. transformers' tokenizer (needed for the chat
+    template) takes seconds to import and load, so it loads on another thread while the weights load and quantise;
+    calibration only needs the fast tokenizer."""
     result: dict[str, object] = {}
     config = read_config(options.model_dir)
     path, reason = choose_path(options, config)
@@ -107,8 +116,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
-                         grammar=grammar, vision=encoder, path="lean", path_reason=reason)
-    return loaded, tokenizer
+                         grammar=grammar, path="lean", path_reason=reason)
+    return loaded, PromptParts(tokenizer, encoder)
 
 
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
@@ -128,7 +137,7 @@ def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
 
 
 def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
-                    reason: str) -> tuple[LoadedModel, object]:
+                    reason: str) -> tuple[LoadedModel, PromptParts]:
     """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
     if options.quantize_asked:
         raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the transformers path "
@@ -140,7 +149,7 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
                          grammar=grammar, path="transformers", path_reason=reason)
-    return loaded, tokenizer
+    return loaded, PromptParts(tokenizer)
 
 
 def needs_transformers(config: dict) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.sampler import RowState
-from handler.engine.types import FinishReason, GenerationRequest, TokenEvent
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
 
 _POLL_SECONDS = 1.0
 
@@ -113,7 +113,8 @@ class RequestHandle:
         pending = [i for i in range(self._state.request.n) if i not in finished][:remaining]
         for index in pending:
             yield TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
-                             error="the generation engine stopped", num_prompt_tokens=len(self.request.prompt_ids))
+                             error="the generation engine stopped", error_kind=ErrorKind.STOPPED,
+                             num_prompt_tokens=len(self.request.prompt_ids))
 
 
 def make_generator(seed: int | None, index: int) -> torch.Generator | None:

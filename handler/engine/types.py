@@ -20,7 +20,15 @@ class FinishReason(enum.Enum):
     STOP = "stop"            # a stop string or stop token id matched
     LENGTH = "length"        # max_new_tokens or the context limit
     ABORT = "abort"          # the client went away or the server is shutting down
-    ERROR = "error"          # this request failed; the message is on the event
+    ERROR = "error"          # this request failed; the message and its ``ErrorKind`` are on the event
+
+
+class ErrorKind(enum.Enum):
+    """What kind of failure ended a choice with ``FinishReason.ERROR`` (the server picks the status from it)."""
+
+    TIMEOUT = "timeout"      # the request ran past option.request_timeout (504)
+    MODEL = "model"          # the model, the sampler or the grammar failed on this request (500)
+    STOPPED = "stopped"      # the engine thread is gone (500)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,7 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # constrained decoding (response_format, forced tool calls)
     prompt_embeds: PromptEmbeds | None = None
     keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
+    prompt_param: str = "prompt"        # the request field the prompt came from, named by errors about it
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,5 +135,6 @@ class TokenEvent:
     is_special: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set with ``error``
     num_prompt_tokens: int = 0          # set on final events, for usage
     num_generated_tokens: int = 0       # set on final events: tokens this choice generated

@@ -6,11 +6,19 @@ from collections.abc import Iterable, Iterator
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
-from handler.formatting import tool_calls
-from handler.formatting.context import ChoiceResult, FormatContext, best_choices, finals_of, fold, usage
+from handler.formatting.context import (
+    OPENAI_FINISH_REASONS,
+    ChatContext,
+    ChoiceResult,
+    FormatContext,
+    best_choices,
+    finals_of,
+    fold,
+    usage,
+)
+from handler.prompt import tool_calls
 
 SYSTEM_FINGERPRINT = "fp_sagemaker_llm_container"
-FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 def token_logprob(event: TokenEvent, ctx: FormatContext) -> dict:
@@ -25,7 +33,7 @@ def _token_entry(token_id: int, logprob: float | None, ctx: FormatContext) -> di
     return {"token": ctx.token_text(token_id), "logprob": logprob, "bytes": list(ctx.token_bytes(token_id))}
 
 
-def chat_completion(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> dict:
+def chat_completion(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> dict:
     """Fold a request's events into one ``chat.completion`` object (with best_of: the most likely choices; usage
     counts every candidate's tokens, as OpenAI bills them)."""
     candidates = fold(events, n)
@@ -41,7 +49,7 @@ def chat_completion(events: Iterable[TokenEvent], n: int, ctx: FormatContext) ->
     }
 
 
-def _choice(choice: ChoiceResult, ctx: FormatContext) -> dict:
+def _choice(choice: ChoiceResult, ctx: ChatContext) -> dict:
     message, finish_reason = _message(choice.text, choice.finish.finish_reason, ctx)
     logprobs = None
     if ctx.want_logprobs:
@@ -49,10 +57,10 @@ def _choice(choice: ChoiceResult, ctx: FormatContext) -> dict:
     return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _message(text: str, reason: FinishReason, ctx: FormatContext) -> tuple[dict, str]:
+def _message(text: str, reason: FinishReason, ctx: ChatContext) -> tuple[dict, str]:
     """``message`` and ``finish_reason`` of one choice; with tools, calls are parsed out of the text."""
     if ctx.tool_format is None:
-        return {"role": "assistant", "content": text}, FINISH_REASONS[reason]
+        return {"role": "assistant", "content": text}, OPENAI_FINISH_REASONS[reason]
     parsed = tool_calls.parse_tool_calls(text, ctx.tool_format, calls_only=ctx.tool_calls_only)
     message = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
@@ -61,10 +69,10 @@ def _message(text: str, reason: FinishReason, ctx: FormatContext) -> tuple[dict,
 
 
 def _finish_reason(reason: FinishReason, has_calls: bool) -> str:
-    return "tool_calls" if has_calls and reason is not FinishReason.LENGTH else FINISH_REASONS[reason]
+    return "tool_calls" if has_calls and reason is not FinishReason.LENGTH else OPENAI_FINISH_REASONS[reason]
 
 
-def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Iterator[dict]:
+def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> Iterator[dict]:
     """``chat.completion.chunk`` records: a role delta first, content (or tool-call) deltas, then a finish_reason
     per choice."""
     for index in range(n):
@@ -116,12 +124,12 @@ class _DeltaStream:
         return deltas
 
 
-def _base(ctx: FormatContext) -> dict:
+def _base(ctx: ChatContext) -> dict:
     return {"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model,
             "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
-def _chunk(ctx: FormatContext, index: int, delta: dict, logprobs: dict | None = None,
+def _chunk(ctx: ChatContext, index: int, delta: dict, logprobs: dict | None = None,
            finish_reason: str | None = None) -> dict:
     record = {**_base(ctx), "choices": [
         {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from handler.engine.types import FinishReason, TokenEvent
+from handler.engine.types import TokenEvent
 from handler.formatting.chat import SYSTEM_FINGERPRINT, failure_record
-from handler.formatting.context import ChoiceResult, FormatContext, best_choices, fold, usage
+from handler.formatting.context import (
+    OPENAI_FINISH_REASONS,
+    ChoiceResult,
+    CompletionsContext,
+    FormatContext,
+    best_choices,
+    fold,
+    usage,
+)
 
-FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
-
-def completion(requests: Sequence[Iterable[TokenEvent]], num_choices: int, ctx: FormatContext) -> dict:
+def completion(requests: Sequence[Iterable[TokenEvent]], num_choices: int, ctx: CompletionsContext) -> dict:
     """Fold each prompt's events (``num_choices`` per prompt) into one ``text_completion`` object; with best_of
     (``ctx.keep_best``) the most likely are kept, and usage counts every candidate's tokens (OpenAI bills them)."""
     choices: list[dict] = []
@@ -32,7 +38,7 @@ def completion(requests: Sequence[Iterable[TokenEvent]], num_choices: int, ctx: 
     return {**_base(ctx), "choices": choices, "usage": _summed(usages)}
 
 
-def completion_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) -> Iterator[dict]:
+def completion_chunks(events: Iterable[TokenEvent], n: int, ctx: CompletionsContext) -> Iterator[dict]:
     """``text_completion`` chunks: the echoed prompt first (with echo), then text as it is released; the suffix
     rides on each choice's last chunk, which carries its finish_reason; with include_usage, a usage chunk ends it."""
     if ctx.return_full_text:
@@ -47,7 +53,7 @@ def completion_chunks(events: Iterable[TokenEvent], n: int, ctx: FormatContext) 
         logprobs = None
         if ctx.want_logprobs and event.token_id is not None:
             logprobs, offsets[event.index] = legacy_logprobs([event], ctx, offsets[event.index])
-        finish = FINISH_REASONS.get(event.finish_reason) if event.finish_reason else None
+        finish = OPENAI_FINISH_REASONS.get(event.finish_reason) if event.finish_reason else None
         text = event.text + (ctx.suffix if finish else "")
         if text or logprobs or finish:
             yield _chunk(ctx, event.index, text, logprobs, finish)
@@ -72,12 +78,12 @@ def legacy_logprobs(events: Iterable[TokenEvent], ctx: FormatContext, offset: in
     return record, offset
 
 
-def _choice(choice: ChoiceResult, index: int, echoed: str, ctx: FormatContext) -> dict:
+def _choice(choice: ChoiceResult, index: int, echoed: str, ctx: CompletionsContext) -> dict:
     return {
         "index": index,
         "text": echoed + choice.text + ctx.suffix,
         "logprobs": legacy_logprobs(choice.token_events, ctx)[0] if ctx.want_logprobs else None,
-        "finish_reason": FINISH_REASONS[choice.finish.finish_reason],
+        "finish_reason": OPENAI_FINISH_REASONS[choice.finish.finish_reason],
     }
 
 
@@ -85,7 +91,7 @@ def _summed(usages: list[dict]) -> dict:
     return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
-def _base(ctx: FormatContext) -> dict:
+def _base(ctx: CompletionsContext) -> dict:
     return {
         "id": ctx.request_id,
         "object": "text_completion",
@@ -96,7 +102,7 @@ def _base(ctx: FormatContext) -> dict:
 
 
 def _chunk(
-    ctx: FormatContext, index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None
+    ctx: CompletionsContext, index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None
 ) -> dict:
     record = {
         **_base(ctx),

@@ -8,23 +8,45 @@ from dataclasses import dataclass, field, replace
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, NotReady
 
+# OpenAI's finish reasons (chat and completions); the legacy schema has TGI's own
+OPENAI_FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
 
 @dataclass(frozen=True, slots=True)
 class FormatContext:
+    """What every schema's formatter needs: the ids and names of the answer, and how to spell a token."""
+
     request_id: str
     model: str
     created: int
     token_text: Callable[[int], str]
     token_bytes: Callable[[int], bytes]
-    want_logprobs: bool = False          # chat: logprobs; legacy: details; completions: logprobs is set
-    include_usage: bool = False          # chat, completions: stream_options.include_usage
-    prompt_texts: tuple[str, ...] = ()   # legacy: return_full_text / details.inputs; completions: echo
-    return_full_text: bool = False       # legacy: return_full_text; completions: echo
-    want_top_tokens: bool = False        # legacy: top_n_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ChatContext(FormatContext):
+    want_logprobs: bool = False          # logprobs
+    include_usage: bool = False          # stream_options.include_usage
     keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
-    suffix: str = ""                     # completions: appended to every completion
-    tool_format: str | None = None       # chat: parse tool calls in this format (None: the text is all content)
-    tool_calls_only: bool = False        # chat: a forced call, so no content (a call cut by max_tokens is dropped)
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_tokens is dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionsContext(FormatContext):
+    want_logprobs: bool = False          # logprobs is set
+    include_usage: bool = False          # stream_options.include_usage
+    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
+    prompt_texts: tuple[str, ...] = ()   # the prompts as sent, one per prompt (what echo prepends)
+    return_full_text: bool = False       # echo
+    suffix: str = ""                     # appended to every completion
+
+
+@dataclass(frozen=True, slots=True)
+class LegacyContext(FormatContext):
+    want_logprobs: bool = False          # details
+    return_full_text: bool = False       # return_full_text: the prompt before the generated text
+    want_top_tokens: bool = False        # top_n_tokens
 
 
 @dataclass(slots=True)

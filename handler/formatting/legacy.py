@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from handler.engine.types import FinishReason, TokenEvent
-from handler.formatting.context import ChoiceResult, FormatContext, fold
+from handler.formatting.context import ChoiceResult, FormatContext, LegacyContext, fold
 
 FINISH_REASONS = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "length",
                   FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
@@ -20,7 +20,7 @@ def _top_tokens(event: TokenEvent, ctx: FormatContext) -> list[dict]:
              "special": False} for t in event.top_logprobs]
 
 
-def _details(choice: ChoiceResult, prompt: str, ctx: FormatContext) -> dict:
+def _details(choice: ChoiceResult, prompt: str, ctx: LegacyContext) -> dict:
     tokens = choice.token_events
     details = {
         "finish_reason": FINISH_REASONS[choice.finish.finish_reason],
@@ -33,7 +33,7 @@ def _details(choice: ChoiceResult, prompt: str, ctx: FormatContext) -> dict:
     return details
 
 
-def generated(events: Iterable[TokenEvent], prompt: str, ctx: FormatContext) -> dict:
+def generated(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContext) -> dict:
     """One prompt's ``{"generated_text": ..., "details"?: ...}``."""
     choice = fold(events, 1)[0]
     record = {"generated_text": (prompt if ctx.return_full_text else "") + choice.text}
@@ -42,7 +42,7 @@ def generated(events: Iterable[TokenEvent], prompt: str, ctx: FormatContext) -> 
     return record
 
 
-def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: FormatContext) -> Iterator[dict]:
+def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContext) -> Iterator[dict]:
     """One record per token; the last also carries ``generated_text`` (and ``details`` when asked)."""
     text = prompt if ctx.return_full_text else ""
     for event in events:

@@ -1,4 +1,5 @@
-"""The chat-completions request (OpenAI shape), validated, and its conversion to a ``GenerationRequest``.
+"""The chat-completions request (OpenAI shape), validated, and its conversion to a ``GenerationRequest`` once the
+prompt layer has rendered its messages (``handler.intake``).
 
 Fields copy the OpenAI names. Fields this server cannot honour yet are not declared, so they are refused with a
 400 naming them (``extra="forbid"``) rather than silently ignored.
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from handler.errors import BadRequest
+from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 from handler.protocol.common import (
     check_best_of,
     check_logit_bias,
@@ -21,7 +23,6 @@ from handler.protocol.common import (
     stop_list,
 )
 from handler.protocol.structured import OutputPlan, ResponseFormat, Tool, ToolChoice, plan_output
-from handler.tokenization import ImageRef, PromptRenderer
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -135,7 +136,8 @@ class ChatCompletionRequest(BaseModel):
                                      renderer.tool_format, renderer.tool_marker_id)
         return self._plan
 
-    def to_generation_request(self, renderer: PromptRenderer, default_temperature: float) -> GenerationRequest:
+    def check(self) -> None:
+        """The rules across fields that the field types cannot say."""
         check_stop(self.stop)
         check_logit_bias(self.logit_bias)
         check_best_of(self.best_of, self.n, self.stream)
@@ -143,10 +145,15 @@ class ChatCompletionRequest(BaseModel):
             raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
-        plan = self.output_plan(renderer)
+
+    def prompt_messages(self) -> tuple[list[dict], list[ImageRef]]:
+        """The messages as chat templates take them, and the images they reference, in order."""
         images: list[ImageRef] = []
-        messages = [_template_message(m, i, images) for i, m in enumerate(self.messages)]
-        prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images)
+        return [_template_message(m, i, images) for i, m in enumerate(self.messages)], images
+
+    def to_generation_request(self, prompt: RenderedPrompt, plan: OutputPlan,
+                              default_temperature: float) -> GenerationRequest:
+        """The engine request for the rendered prompt (``intake.chat_request`` renders it)."""
         return GenerationRequest(
             request_id=new_request_id("chatcmpl"),
             prompt_ids=prompt.prompt_ids,
@@ -159,6 +166,7 @@ class ChatCompletionRequest(BaseModel):
             truncate_prompt=self.error_behavior == "truncate",
             grammar=plan.grammar,
             keep_special_ids=(plan.marker_id,) if plan.marker_id is not None else (),
+            prompt_param="messages",
         )
 
     def sampling_params(self, default_temperature: float) -> SamplingParams:

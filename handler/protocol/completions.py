@@ -34,7 +34,6 @@ from handler.protocol.common import (
     openai_sampling_params,
     stop_list,
 )
-from handler.tokenization import PromptRenderer
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -77,8 +76,10 @@ class CompletionRequest(BaseModel):
         """Choices generated per prompt: best_of candidates when given, else n."""
         return self.best_of or self.n
 
-    def to_generation_requests(self, renderer: PromptRenderer, default_temperature: float) -> list[GenerationRequest]:
-        self.check()
+    def to_generation_requests(self, prompt_ids: list[list[int]],
+                               default_temperature: float) -> list[GenerationRequest]:
+        """One engine request per prompt, from each prompt's token ids (``intake.completion_requests`` renders
+        them)."""
         sampling = openai_sampling_params(self, default_temperature)
         stop = StopConditions(
             max_new_tokens=self.max_tokens, stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos
@@ -86,14 +87,15 @@ class CompletionRequest(BaseModel):
         return [
             GenerationRequest(
                 request_id=new_request_id("cmpl"),
-                prompt_ids=self._prompt_ids(renderer, prompt),
+                prompt_ids=tuple(ids),
                 sampling=sampling,
                 stop=stop,
                 n=self.num_choices,
                 num_top_logprobs=self.logprobs or 0,
                 truncate_prompt=self.error_behavior == "truncate",
+                prompt_param="prompt",
             )
-            for prompt in self.prompts
+            for ids in prompt_ids
         ]
 
     def check(self) -> None:
@@ -111,12 +113,3 @@ class CompletionRequest(BaseModel):
         check_stop(self.stop)
         check_logit_bias(self.logit_bias)
         check_best_of(self.best_of, self.n, self.stream)
-
-    def _prompt_ids(self, renderer: PromptRenderer, prompt: str) -> tuple[int, ...]:
-        if self.use_raw_prompt is not False:
-            return tuple(renderer.encode(prompt, add_special_tokens=True))
-        if not renderer.has_chat_template:
-            raise Unprocessable(
-                "use_raw_prompt: false needs a chat template, and this model has none", param="use_raw_prompt"
-            )
-        return tuple(renderer.render_chat([{"role": "user", "content": prompt}]))

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from handler.errors import BadRequest
 from handler.protocol.common import new_request_id, stop_list
-from handler.tokenization import PromptRenderer
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -79,21 +78,22 @@ class LegacyRequest(BaseModel):
     def is_batch(self) -> bool:
         return isinstance(self.inputs, list)
 
-    def to_generation_requests(self, renderer: PromptRenderer, default_max_new_tokens: int) -> list[GenerationRequest]:
+    def check(self) -> None:
         if not self.prompts:
             raise BadRequest("inputs is an empty list", param="inputs")
         if self.stream and self.is_batch:
             raise BadRequest("streaming takes one input; send a string, not a list", param="inputs")
+        self.parameters.stop_strings()
+
+    def to_generation_requests(self, prompt_ids: list[list[int]],
+                               default_max_new_tokens: int) -> list[GenerationRequest]:
+        """One engine request per prompt, from each prompt's token ids (``intake.legacy_requests`` encodes them)."""
         p = self.parameters
         stop = StopConditions(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
                               stop_strings=p.stop_strings(), ignore_eos=p.ignore_eos)
         sampling = p.sampling_params()
-        return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=self._prompt_ids(renderer, prompt),
+        keep = p.truncate  # TGI: only the last N tokens of the input
+        return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(ids[-keep:] if keep else ids),
                                   sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0,
-                                  truncate_prompt=p.error_behavior == "truncate")
-                for prompt in self.prompts]
-
-    def _prompt_ids(self, renderer: PromptRenderer, prompt: str) -> tuple[int, ...]:
-        ids = renderer.encode(prompt, add_special_tokens=True)
-        keep = self.parameters.truncate
-        return tuple(ids[-keep:] if keep else ids)
+                                  truncate_prompt=p.error_behavior == "truncate", prompt_param="inputs")
+                for ids in prompt_ids]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
-from handler.formatting import tool_calls
+from handler.prompt import tool_calls
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names

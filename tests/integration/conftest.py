@@ -11,7 +11,7 @@ import pytest
 from handler.config import DEFAULT_MODEL_DIR
 from handler.engine.engine import Engine, EngineLimits, wait_until_ready
 from handler.engine.runner import ModelRunner
-from handler.tokenization import PromptRenderer
+from handler.prompt.renderer import PromptRenderer
 
 MAX_MODEL_LEN = 512
 # ENGINE_TEST_DEVICE=cuda runs the engine tests on a GPU (the CUDA path; CI has none, so cpu by default)

@@ -21,9 +21,10 @@ from handler.engine import engine as engine_module
 from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
 from handler.engine.runner import StepOutput
 from handler.engine.scheduler import StepPlan
-from handler.engine.types import FinishReason, GenerationRequest, StopConditions
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions
 from handler.errors import Overloaded
-from handler.tokenization import PromptRenderer
+from handler.service import RequestDefaults
+from handler.prompt.renderer import PromptRenderer
 
 WORLD, EOS = 905, 2                          # " world", "<|im_end|>" in the embedded tokenizer
 LONG = StopConditions(max_new_tokens=400, ignore_eos=True)
@@ -99,16 +100,15 @@ def tokenizer():
 
 
 class Harness:
-    def __init__(self, tokenizer, max_running: int = 1) -> None:
+    def __init__(self, tokenizer, admission: Admission, max_running: int = 1) -> None:
         vocab_size = len(tokenizer)
         self.runner = GatedRunner(vocab_size)
         self.stats: list[EngineStats] = []
         loaded = LoadedModel(self.runner, tokenizer.backend_tokenizer, frozenset({EOS}), frozenset({EOS}), vocab_size)
         self.engine = Engine(lambda: loaded, EngineLimits(max_running=max_running, max_model_len=512,
-                                                          max_step_tokens=64))
+                                                          max_step_tokens=64), admission, self.stats.append)
 
-    def start(self, admission: Admission) -> Harness:
-        self.engine.configure(admission, self.stats.append)
+    def start(self) -> Harness:
         self.engine.start()
         wait_until_ready(self.engine, timeout=60)
         return self
@@ -130,7 +130,7 @@ def harness(tokenizer):
     made: list[Harness] = []
 
     def make(admission: Admission, max_running: int = 1) -> Harness:
-        made.append(Harness(tokenizer, max_running).start(admission))
+        made.append(Harness(tokenizer, admission, max_running).start())
         return made[-1]
 
     yield make
@@ -180,13 +180,13 @@ def test_cancelled_waiting_request_leaves_the_queue(harness) -> None:
 def test_waiting_request_past_its_deadline_ends_with_an_error(harness, fake_clock) -> None:
     h = harness(Admission(), max_running=2)
     running = h.hold_after_admitting(generation("a", StopConditions(max_new_tokens=3)))
-    h.engine.configure(Admission(timeout_s=0.5), h.stats.append)
+    h.engine.admission = Admission(timeout_s=0.5)
     late = h.engine.submit(generation("b", n=2))  # waits: a holds one of the two slots
     h.runner.open_gate()
     late_finals = finals(late)
     assert [(e.index, e.finish_reason) for e in late_finals] == [(0, FinishReason.ERROR), (1, FinishReason.ERROR)]
     assert late_finals[0].error == "request timed out after 0.5 s (option.request_timeout)"
-    assert engine_module.is_timeout_error(late_finals[0].error)
+    assert late_finals[0].error_kind is ErrorKind.TIMEOUT
     assert finals(running)[0].finish_reason is FinishReason.LENGTH  # its own deadline is unlimited
 
 
@@ -196,7 +196,7 @@ def test_running_request_past_its_deadline_frees_its_slot(harness, fake_clock) -
     events = list(overdue)
     assert events[-1].finish_reason is FinishReason.ERROR and "timed out after 5 s" in events[-1].error
     assert 0 < events[-1].num_generated_tokens < LONG.max_new_tokens
-    h.engine.configure(Admission(), h.stats.append)
+    h.engine.admission = Admission()
     assert finals(h.engine.submit(generation("b", StopConditions(max_new_tokens=2))))[0].finish_reason \
         is FinishReason.LENGTH
 
@@ -234,7 +234,7 @@ def app_for(tokenizer):
     made = []
 
     def make(h: Harness, settings: Settings):
-        service = types.SimpleNamespace(settings=settings, model_name="m", default_temperature=0.0,
+        service = types.SimpleNamespace(settings=settings, model_name="m", defaults=RequestDefaults(0.0, 256),
                                         renderer=PromptRenderer(tokenizer), engine=h.engine, user_handler=None,
                                         is_ready=True, load_error=None)
         made.append(server.create_app(service))
@@ -252,8 +252,8 @@ def counter(name: str) -> float:
 
 
 def test_server_answers_a_full_queue_with_429_in_openai_shape(harness, app_for) -> None:
-    h = harness(Admission())
-    client = app_for(h, Settings(max_queue_size=1))            # create_app hands the engine its limits
+    h = harness(Admission(max_waiting=1))                      # the service builds its engine with these
+    client = app_for(h, Settings(max_queue_size=1))
     h.runner.hold()
     first = post(client, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 2}, buffered=False)
     assert h.runner.waiting_at_gate.wait(30)
@@ -272,7 +272,7 @@ def test_server_answers_a_full_queue_with_429_in_openai_shape(harness, app_for) 
 
 
 def test_server_answers_a_deadline_with_504_or_a_final_stream_record(harness, app_for, fake_clock) -> None:
-    h = harness(Admission())
+    h = harness(Admission(timeout_s=5))
     client = app_for(h, Settings(request_timeout=5))
     timeouts_before = counter("llm_request_timeouts_total")
     response = post(client, "/invocations", {**CHAT, "max_tokens": 400, "ignore_eos": True})

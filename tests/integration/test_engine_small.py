@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from handler.engine.types import FinishReason, GenerationRequest, SamplingParams, StopConditions, TokenEvent
-from handler.tokenization import PromptRenderer
+from handler.prompt.renderer import PromptRenderer
 from tests.integration.conftest import make_engine
 
 NEAR_TIE = 0.05

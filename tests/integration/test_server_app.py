@@ -16,7 +16,8 @@ from handler import server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady, Overloaded
-from handler.tokenization import PromptRenderer
+from handler.prompt.renderer import PromptRenderer
+from handler.service import RequestDefaults
 
 MODEL_NAME = "smollm2-135m-instruct"
 HELLO, WORLD, EOS = 19556, 905, 2           # "Hello", " world", "<|im_end|>" in the embedded tokenizer
@@ -99,7 +100,7 @@ class FakeService(types.SimpleNamespace):
 
 @pytest.fixture()
 def service(renderer: PromptRenderer) -> FakeService:
-    return FakeService(settings=Settings(), model_name=MODEL_NAME, default_temperature=0.0, renderer=renderer,
+    return FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256), renderer=renderer,
                        engine=FakeEngine(), user_handler=None)
 
 

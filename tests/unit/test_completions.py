@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from handler import intake
 from handler.engine.types import FinishReason, GenerationRequest, SamplingParams, StopConditions, TokenEvent, TopLogprob
 from handler.errors import BadRequest, ServingError, Unprocessable
 from handler.formatting import chat as chat_format
 from handler.formatting import completions
-from handler.formatting.context import ChoiceResult, FormatContext, best_choices, cumulative_logprob
+from handler.formatting.context import ChatContext, ChoiceResult, CompletionsContext, FormatContext, best_choices, cumulative_logprob
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import ExtraParameters, Extras, PassThrough, parse_model, parse_request
 from handler.protocol.completions import CompletionRequest
@@ -43,15 +44,15 @@ def request(**fields) -> CompletionRequest:
 
 
 def convert(renderer: FakeRenderer | None = None, default_temperature: float = 0.0, **fields) -> list:
-    return request(**fields).to_generation_requests(renderer or FakeRenderer(), default_temperature)
+    return intake.completion_requests(request(**fields), renderer or FakeRenderer(), default_temperature)
 
 
 def token_text(token_id: int) -> str:
     return VOCAB.get(token_id, f"<{token_id}>")
 
 
-def ctx(**options) -> FormatContext:
-    return FormatContext(
+def ctx(kind: type[FormatContext] = CompletionsContext, **options) -> FormatContext:
+    return kind(
         request_id="cmpl-abc",
         model="tiny",
         created=1700000000,
@@ -217,20 +218,20 @@ def test_use_raw_prompt(use_raw_prompt: bool | None, templated: bool) -> None:
 def test_chat_best_of_generates_best_of_choices() -> None:
     from handler.config import DEFAULT_MODEL_DIR
     from handler.engine.loader import load_tokenizer
-    from handler.tokenization import PromptRenderer
+    from handler.prompt.renderer import PromptRenderer
 
     renderer = PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))  # chat's conversion needs the real one
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
-    assert parse_model(ChatCompletionRequest, body).to_generation_request(renderer, 0.0).n == 2
+    assert intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0).n == 2
     body["best_of"] = 4
-    assert parse_model(ChatCompletionRequest, body).to_generation_request(renderer, 0.0).n == 4
+    assert intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0).n == 4
 
 
 @pytest.mark.parametrize(("fields", "param"), [({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 0}, "best_of")])
 def test_chat_best_of_checks(fields: dict, param: str) -> None:
     with pytest.raises(BadRequest) as info:
         body = {"messages": [{"role": "user", "content": "hi"}], **fields}
-        parse_model(ChatCompletionRequest, body).to_generation_request(FakeRenderer(), 0.0)
+        intake.chat_request(parse_model(ChatCompletionRequest, body), FakeRenderer(), 0.0)
     assert info.value.param == param
 
 
@@ -268,7 +269,7 @@ def test_chat_completion_keeps_the_best_and_bills_every_candidate() -> None:
         end(1, 6, "lo", -0.5, LENGTH, 3, 1),
         end(2, 7, " wor", -1.0, LENGTH, 3, 1),
     ]
-    record = chat_format.chat_completion(events, 3, ctx(keep_best=2))
+    record = chat_format.chat_completion(events, 3, ctx(ChatContext, keep_best=2))
     assert [(c["index"], c["message"]["content"]) for c in record["choices"]] == [(0, "lo"), (1, " wor")]
     assert record["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 

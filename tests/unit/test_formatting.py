@@ -9,7 +9,7 @@ import pytest
 from handler.engine.types import FinishReason, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady
 from handler.formatting import chat, legacy
-from handler.formatting.context import FormatContext
+from handler.formatting.context import ChatContext, FormatContext, LegacyContext
 from handler.formatting.framing import JSONLINES_MIMETYPE, SSE_MIMETYPE, jsonlines, sse
 
 VOCAB = {2: "<|im_end|>", 5: "Hel", 6: "lo", 7: " wor", 8: "ld", 9: "é"}
@@ -24,8 +24,8 @@ def token_bytes(token_id: int) -> bytes:
     return token_text(token_id).encode("utf-8")
 
 
-def ctx(**options) -> FormatContext:
-    return FormatContext(request_id="chatcmpl-abc", model="tiny", created=1700000000, token_text=token_text,
+def ctx(kind: type[FormatContext] = ChatContext, **options) -> FormatContext:
+    return kind(request_id="chatcmpl-abc", model="tiny", created=1700000000, token_text=token_text,
                          token_bytes=token_bytes, **options)
 
 
@@ -186,18 +186,18 @@ def test_chat_chunks_abort_ends_with_error_record() -> None:
 @pytest.mark.parametrize(("finish", "wire"), [
     (FinishReason.EOS, "eos_token"), (FinishReason.STOP, "stop_sequence"), (FinishReason.LENGTH, "length")])
 def test_legacy_finish_reason_mapping(finish: FinishReason, wire: str) -> None:
-    record = legacy.generated(hello_events(finish), "Say", ctx(want_logprobs=True))
+    record = legacy.generated(hello_events(finish), "Say", ctx(LegacyContext, want_logprobs=True))
     assert record["details"]["finish_reason"] == wire
-    lines = list(legacy.generated_lines(hello_events(finish), "Say", ctx(want_logprobs=True)))
+    lines = list(legacy.generated_lines(hello_events(finish), "Say", ctx(LegacyContext, want_logprobs=True)))
     assert lines[-1]["details"]["finish_reason"] == wire
 
 
 def test_legacy_generated_plain() -> None:
-    assert legacy.generated(hello_events(), "Say", ctx()) == {"generated_text": "Hello world"}
+    assert legacy.generated(hello_events(), "Say", ctx(LegacyContext)) == {"generated_text": "Hello world"}
 
 
 def test_legacy_generated_return_full_text() -> None:
-    assert legacy.generated(hello_events(), "Say: ", ctx(return_full_text=True)) == {
+    assert legacy.generated(hello_events(), "Say: ", ctx(LegacyContext, return_full_text=True)) == {
         "generated_text": "Say: Hello world"}
 
 
@@ -205,7 +205,7 @@ def test_legacy_generated_details_tokens_use_token_text() -> None:
     # the event texts differ from the tokens' own texts (a stop-string hold-back moved text between events)
     events = [ev(0, 5, "", -0.1), ev(0, 6, "Hello", -0.2),
               ev(0, 9, "é", -0.3, finish=FinishReason.LENGTH, prompt=2, generated=3)]
-    record = legacy.generated(events, "p", ctx(want_logprobs=True))
+    record = legacy.generated(events, "p", ctx(LegacyContext, want_logprobs=True))
     assert record == {"generated_text": "Helloé", "details": {
         "finish_reason": "length", "generated_tokens": 3, "inputs": "p",
         "tokens": [{"id": 5, "text": "Hel", "log_prob": -0.1, "special": False},
@@ -216,7 +216,7 @@ def test_legacy_generated_details_tokens_use_token_text() -> None:
 def test_legacy_generated_top_tokens() -> None:
     events = [ev(0, 5, "Hel", -0.1, top=(TopLogprob(5, -0.1), TopLogprob(6, -3.0))),
               ev(0, 6, "lo", -0.2, finish=FinishReason.LENGTH, generated=2, top=(TopLogprob(6, -0.2),))]
-    record = legacy.generated(events, "p", ctx(want_logprobs=True, want_top_tokens=True))
+    record = legacy.generated(events, "p", ctx(LegacyContext, want_logprobs=True, want_top_tokens=True))
     assert record["details"]["top_tokens"] == [
         [{"id": 5, "text": "Hel", "log_prob": -0.1, "special": False},
          {"id": 6, "text": "lo", "log_prob": -3.0, "special": False}],
@@ -225,11 +225,11 @@ def test_legacy_generated_top_tokens() -> None:
 
 def test_legacy_generated_error_raises() -> None:
     with pytest.raises(EngineError, match="boom"):
-        legacy.generated([ev(0, None, "", finish=FinishReason.ERROR, error="boom")], "p", ctx())
+        legacy.generated([ev(0, None, "", finish=FinishReason.ERROR, error="boom")], "p", ctx(LegacyContext))
 
 
 def test_legacy_lines_exact() -> None:
-    lines = list(legacy.generated_lines(hello_events(), "Say", ctx()))
+    lines = list(legacy.generated_lines(hello_events(), "Say", ctx(LegacyContext)))
     assert lines == [
         {"token": {"id": 5, "text": "Hel", "log_prob": -0.1, "special": False}, "generated_text": None,
          "details": None},
@@ -244,7 +244,7 @@ def test_legacy_lines_exact() -> None:
 
 def test_legacy_lines_last_carries_joined_text_and_details() -> None:
     events = [ev(0, 5, "", -0.1), ev(0, 6, "Hel", -0.2), ev(0, 9, "loé", -0.3, finish=FinishReason.STOP, generated=3)]
-    lines = list(legacy.generated_lines(events, "p: ", ctx(want_logprobs=True, return_full_text=True)))
+    lines = list(legacy.generated_lines(events, "p: ", ctx(LegacyContext, want_logprobs=True, return_full_text=True)))
     assert [line["generated_text"] for line in lines] == [None, None, "p: Helloé"]
     assert "".join(line["token"]["text"] for line in lines) == "Helloé"
     assert lines[-1]["details"] == {"finish_reason": "stop_sequence", "generated_tokens": 3}
@@ -253,7 +253,7 @@ def test_legacy_lines_last_carries_joined_text_and_details() -> None:
 
 def test_legacy_lines_top_tokens_per_line() -> None:
     events = [ev(0, 5, "Hel", -0.1, top=(TopLogprob(5, -0.1),), finish=FinishReason.LENGTH, generated=1)]
-    (line,) = legacy.generated_lines(events, "p", ctx(want_top_tokens=True))
+    (line,) = legacy.generated_lines(events, "p", ctx(LegacyContext, want_top_tokens=True))
     assert line["top_tokens"] == [{"id": 5, "text": "Hel", "log_prob": -0.1, "special": False}]
 
 
@@ -261,7 +261,7 @@ def test_legacy_lines_top_tokens_per_line() -> None:
 def test_legacy_lines_error_mid_stream(finish: FinishReason) -> None:
     events = iter([ev(0, 5, "Hel", -0.1), ev(0, None, "", finish=finish, error="boom", generated=1),
                    ev(0, 6, "lo", -0.2)])
-    lines = list(legacy.generated_lines(events, "p", ctx()))
+    lines = list(legacy.generated_lines(events, "p", ctx(LegacyContext)))
     assert len(lines) == 2
     assert lines[-1]["token"] == {"id": -1, "text": "", "log_prob": None, "special": True}
     assert lines[-1]["generated_text"] is None

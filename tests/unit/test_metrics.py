@@ -15,9 +15,9 @@ import pytest
 
 from handler import metrics, request_log
 from handler.__main__ import gunicorn_options, prepare_metrics_dir
-from handler.config import load_settings
+from handler.config import Settings, load_settings
 from handler.engine.engine import EngineStats
-from handler.engine.types import FinishReason, GenerationRequest, TokenEvent
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
 from handler.errors import ConfigError, GatewayTimeout
 from handler.request_log import JsonFormatter, ObservedHandle, RequestRecord
 
@@ -77,9 +77,10 @@ def token(index: int, token_id: int = 5) -> TokenEvent:
     return TokenEvent(index=index, token_id=token_id, text="x")
 
 
-def final(index: int, reason: FinishReason = FinishReason.LENGTH, generated: int = 2, error: str | None = None):
+def final(index: int, reason: FinishReason = FinishReason.LENGTH, generated: int = 2, error: str | None = None,
+          kind: ErrorKind = ErrorKind.MODEL):
     return TokenEvent(index=index, token_id=None, text="", finish_reason=reason, error=error,
-                      num_prompt_tokens=3, num_generated_tokens=generated)
+                      error_kind=kind if error else None, num_prompt_tokens=3, num_generated_tokens=generated)
 
 
 def test_record_times_tokens_per_choice() -> None:
@@ -148,7 +149,7 @@ class ScriptedHandle:
 def test_observed_handle_turns_an_engine_timeout_into_504() -> None:
     record = RequestRecord("r", "/invocations", started=0.0)
     message = "request timed out after 5 s (option.request_timeout)"
-    handle = ObservedHandle(ScriptedHandle([token(0), final(0, FinishReason.ERROR, 1, message)]), record)
+    handle = ObservedHandle(ScriptedHandle([token(0), final(0, FinishReason.ERROR, 1, message, ErrorKind.TIMEOUT)]), record)
     before = sample("llm_request_timeouts_total")
     with pytest.raises(GatewayTimeout, match="timed out after 5 s") as info:
         list(handle)
@@ -213,11 +214,11 @@ def test_master_makes_a_fresh_folder_or_empties_the_named_one(tmp_path: Path) ->
 
 
 def test_gunicorn_marks_dead_workers() -> None:
-    assert gunicorn_options({}, "127.0.0.1")["child_exit"].__name__ == "worker_exited"
+    assert gunicorn_options(Settings(host="127.0.0.1"))["child_exit"].__name__ == "worker_exited"
 
 
 def test_gunicorn_opens_no_shared_control_socket() -> None:
-    assert gunicorn_options({}, "127.0.0.1")["control_socket_disable"] is True
+    assert gunicorn_options(Settings(host="127.0.0.1"))["control_socket_disable"] is True
 
 
 WORKERS_SCRIPT = textwrap.dedent("""

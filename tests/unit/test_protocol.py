@@ -9,7 +9,8 @@ from handler.errors import BadRequest
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import parse_model
 from handler.protocol.legacy import LegacyRequest
-from handler.tokenization import PromptRenderer
+from handler import intake
+from handler.prompt.renderer import PromptRenderer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -41,7 +42,7 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def chat_error(**fields) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        chat(**fields).to_generation_request(FakeRenderer(), 0.0)
+        intake.chat_request(chat(**fields), FakeRenderer(), 0.0)
     return info.value
 
 
@@ -51,7 +52,7 @@ def legacy(body: dict) -> LegacyRequest:
 
 def legacy_error(body: dict) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        legacy(body).to_generation_requests(FakeRenderer(), 16)
+        intake.legacy_requests(legacy(body), FakeRenderer(), 16)
     return info.value
 
 
@@ -117,8 +118,8 @@ def test_chat_cross_field_checks_on_conversion(fields: dict, param: str) -> None
 
 
 def test_chat_four_stops_and_bias_at_limits_are_fine() -> None:
-    generation = chat(stop=["a", "b", "c", "d"], logit_bias={"5": 100, "3": -100}).to_generation_request(
-        FakeRenderer(), 0.0)
+    generation = intake.chat_request(chat(stop=["a", "b", "c", "d"], logit_bias={"5": 100, "3": -100}),
+                                     FakeRenderer(), 0.0)
     assert generation.stop.stop_strings == ("a", "b", "c", "d")
     assert generation.sampling.logit_bias == ((3, -100.0), (5, 100.0))
 
@@ -143,7 +144,7 @@ def test_chat_content_of_wrong_type_is_a_400_about_content() -> None:
 
 def test_chat_conversion_defaults() -> None:
     renderer = FakeRenderer()
-    generation = chat().to_generation_request(renderer, 0.0)
+    generation = intake.chat_request(chat(), renderer, 0.0)
     assert isinstance(generation, GenerationRequest)
     assert generation.request_id.startswith("chatcmpl-")
     assert generation.prompt_ids == (100, 101, 102)
@@ -155,7 +156,7 @@ def test_chat_conversion_defaults() -> None:
 
 def test_chat_conversion_all_fields() -> None:
     renderer = FakeRenderer()
-    generation = chat(
+    generation = intake.chat_request(chat(
         messages=[{"role": "system", "content": "be brief"},
                   {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                   {"role": "assistant", "content": None,
@@ -164,7 +165,7 @@ def test_chat_conversion_all_fields() -> None:
         max_tokens=50, max_completion_tokens=20, temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, n=3,
         stop="END", seed=11, frequency_penalty=0.5, presence_penalty=-0.5, logit_bias={"9": 1.5, "2": -3},
         logprobs=True, top_logprobs=4, repetition_penalty=1.2, ignore_eos=True,
-    ).to_generation_request(renderer, 0.0)
+    ), renderer, 0.0)
     assert generation.prompt_ids == tuple(range(100, 112))
     assert renderer.chats == [[
         {"role": "system", "content": "be brief"},
@@ -181,7 +182,7 @@ def test_chat_conversion_all_fields() -> None:
 
 
 def test_chat_max_tokens_used_without_max_completion_tokens() -> None:
-    assert chat(max_tokens=7).to_generation_request(FakeRenderer(), 0.0).stop.max_new_tokens == 7
+    assert intake.chat_request(chat(max_tokens=7), FakeRenderer(), 0.0).stop.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(("fields", "default", "expected"), [
@@ -191,19 +192,19 @@ def test_chat_max_tokens_used_without_max_completion_tokens() -> None:
     ({"temperature": 1.2}, 0.0, 1.2),
 ])
 def test_chat_temperature_precedence(fields: dict, default: float, expected: float) -> None:
-    assert chat(**fields).to_generation_request(FakeRenderer(), default).sampling.temperature == expected
+    assert intake.chat_request(chat(**fields), FakeRenderer(), default).sampling.temperature == expected
 
 
 def test_chat_top_k_positive_passes_through() -> None:
-    assert chat(top_k=5).to_generation_request(FakeRenderer(), 0.0).sampling.top_k == 5
+    assert intake.chat_request(chat(top_k=5), FakeRenderer(), 0.0).sampling.top_k == 5
 
 
 def test_chat_stop_list_kept_in_order() -> None:
-    assert chat(stop=["x", "y"]).to_generation_request(FakeRenderer(), 0.0).stop.stop_strings == ("x", "y")
+    assert intake.chat_request(chat(stop=["x", "y"]), FakeRenderer(), 0.0).stop.stop_strings == ("x", "y")
 
 
 def test_chat_request_ids_are_unique() -> None:
-    ids = {chat().to_generation_request(FakeRenderer(), 0.0).request_id for _ in range(20)}
+    ids = {intake.chat_request(chat(), FakeRenderer(), 0.0).request_id for _ in range(20)}
     assert len(ids) == 20
 
 
@@ -218,7 +219,7 @@ def test_chat_request_ids_are_unique() -> None:
 def test_chat_image_to_text_only_model_names_the_part(messages: list[dict], param: str) -> None:
     renderer = FakeRenderer()
     with pytest.raises(BadRequest) as info:
-        chat(messages=messages).to_generation_request(renderer, 0.0)
+        intake.chat_request(chat(messages=messages), renderer, 0.0)
     assert info.value.param == param
     assert "vision" in info.value.message
     assert renderer.chats == []
@@ -284,7 +285,7 @@ def test_legacy_string_input_is_one_request() -> None:
     renderer = FakeRenderer()
     parsed = legacy({"inputs": "ab"})
     assert parsed.prompts == ["ab"] and not parsed.is_batch
-    (generation,) = parsed.to_generation_requests(renderer, 16)
+    (generation,) = intake.legacy_requests(parsed, renderer, 16)
     assert generation.request_id.startswith("gen-")
     assert generation.prompt_ids == (97, 98)
     assert renderer.encoded == [("ab", True)]
@@ -296,7 +297,7 @@ def test_legacy_string_input_is_one_request() -> None:
 def test_legacy_list_input_is_one_request_per_prompt() -> None:
     parsed = legacy({"inputs": ["a", "bc", "d"]})
     assert parsed.prompts == ["a", "bc", "d"] and parsed.is_batch
-    generations = parsed.to_generation_requests(FakeRenderer(), 16)
+    generations = intake.legacy_requests(parsed, FakeRenderer(), 16)
     assert [g.prompt_ids for g in generations] == [(97,), (98, 99), (100,)]
     assert len({g.request_id for g in generations}) == 3
 
@@ -304,7 +305,7 @@ def test_legacy_list_input_is_one_request_per_prompt() -> None:
 def test_legacy_single_item_list_stays_a_batch() -> None:
     parsed = legacy({"inputs": ["a"]})
     assert parsed.is_batch
-    assert len(parsed.to_generation_requests(FakeRenderer(), 16)) == 1
+    assert len(intake.legacy_requests(parsed, FakeRenderer(), 16)) == 1
 
 
 @pytest.mark.parametrize(("parameters", "temperature"), [
@@ -320,7 +321,7 @@ def test_legacy_single_item_list_stays_a_batch() -> None:
     ({"do_sample": False, "temperature": 0.5}, 0.5),   # TGI: a temperature means sampling
 ])
 def test_legacy_do_sample_rules(parameters: dict, temperature: float) -> None:
-    (generation,) = legacy({"inputs": "x", "parameters": parameters}).to_generation_requests(FakeRenderer(), 16)
+    (generation,) = intake.legacy_requests(legacy({"inputs": "x", "parameters": parameters}), FakeRenderer(), 16)
     assert generation.sampling.temperature == temperature
 
 
@@ -330,7 +331,7 @@ def test_legacy_parameters_map_onto_sampling_and_stop() -> None:
         "repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.3, "seed": 5,
         "stop": "###", "stop_sequences": ["\n\n", "END"], "top_n_tokens": 2, "ignore_eos": True,
         "details": True, "return_full_text": True}}
-    (generation,) = legacy(body).to_generation_requests(FakeRenderer(), 16)
+    (generation,) = intake.legacy_requests(legacy(body), FakeRenderer(), 16)
     assert generation.sampling == SamplingParams(
         temperature=0.8, top_p=0.95, top_k=50, min_p=0.1, repetition_penalty=1.1, frequency_penalty=0.2,
         presence_penalty=0.3, seed=5)
@@ -340,15 +341,15 @@ def test_legacy_parameters_map_onto_sampling_and_stop() -> None:
 
 def test_legacy_stop_list_and_stop_sequences_merged() -> None:
     body = {"inputs": "x", "parameters": {"stop": ["a", "b"], "stop_sequences": ["c"]}}
-    (generation,) = legacy(body).to_generation_requests(FakeRenderer(), 16)
+    (generation,) = intake.legacy_requests(legacy(body), FakeRenderer(), 16)
     assert generation.stop.stop_strings == ("a", "b", "c")
 
 
 def test_legacy_max_new_tokens_default_from_argument() -> None:
     parsed = legacy({"inputs": "x"})
-    assert parsed.to_generation_requests(FakeRenderer(), 77)[0].stop.max_new_tokens == 77
+    assert intake.legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 77
     parsed = legacy({"inputs": "x", "parameters": {"max_new_tokens": 3}})
-    assert parsed.to_generation_requests(FakeRenderer(), 77)[0].stop.max_new_tokens == 3
+    assert intake.legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 3
 
 
 def test_fit_prompt_keeps_the_tail_and_room_to_generate() -> None:

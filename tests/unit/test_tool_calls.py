@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from handler.engine.json_rules import apply_json_rules
-from handler.formatting.tool_calls import (
+from handler.prompt.tool_calls import (
     FORMATS,
     HERMES,
     LLAMA3_JSON,

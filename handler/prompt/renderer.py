@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from handler.errors import BadRequest, Unprocessable
-from handler.formatting import tool_calls
+from handler.prompt import tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class ImageRef:
 class PromptRenderer:
     """Wraps a transformers tokenizer for the protocol layer: chat templates, tools, tokens' text.
 
-    ``tool_format`` is how this model writes tool calls (``handler.formatting.tool_calls.FORMATS``): the setting
+    ``tool_format`` is how this model writes tool calls (``handler.prompt.tool_calls.FORMATS``): the setting
     when given, else detected from the chat template."""
 
     def __init__(self, tokenizer, tool_format: str = "auto") -> None:

@@ -14,7 +14,7 @@ from handler import metrics
 from handler.config import Settings
 from handler.errors import BadRequest
 from handler.images import DecodeLimits, FetchPolicy, load_image
-from handler.tokenization import ImageRef, PromptRenderer, RenderedPrompt
+from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 
 
 def image_loader(settings: Settings) -> Callable[[ImageRef], object]:

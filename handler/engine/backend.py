@@ -1,0 +1,82 @@
+"""The one interface between the server and whatever generates tokens.
+
+A backend takes a ``GenerationRequest`` and answers with a ``GenerationHandle``: an iterator of ``TokenEvent``s that
+the caller can ``cancel()``. It reports readiness (``is_ready``, ``load_error``) and, after its steps, an
+``EngineStats`` to the listener it was built with. The server, the service and the formatters depend on this
+module and ``types`` only; which backend runs is decided once, from the settings, by ``service.create_backend``.
+
+Backends today: the lean continuous-batching engine (``engine.Engine``), whose runner is either our own model code
+or the checkpoint's transformers code (``loader.choose_path``). A new backend (vLLM) implements ``EngineBackend``
+and keeps these meanings: a request past ``Admission.max_waiting`` waiting requests is refused with ``Overloaded``
+at submit; a request unfinished ``Admission.timeout_s`` after submit ends with an event whose ``error_kind`` is
+``ErrorKind.TIMEOUT``; a cancelled request ends with ``FinishReason.ABORT`` and frees its place at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from handler.engine.types import GenerationRequest, TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_running: int          # sequences decoded together (option.max_rolling_batch_size)
+    max_model_len: int        # prompt + completion tokens
+    max_step_tokens: int      # tokens one step may process (option.max_num_batched_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How much waiting a backend accepts (``None``: no limit)."""
+
+    max_waiting: int | None = None     # requests without a batch slot (option.max_queue_size)
+    timeout_s: float | None = None     # seconds from submit to the last event (option.request_timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What a backend reports to its listener after each step, and once when it goes idle."""
+
+    num_running: int                   # requests holding batch slots
+    num_waiting: int                   # requests submitted but without a slot
+    batch_size: int                    # sequences in the step just run (0: no step ran)
+    num_sampled: int                   # tokens sampled since the previous report
+    kv_cache_used_bytes: int           # cache positions holding tokens of running sequences
+    kv_cache_allocated_bytes: int
+
+
+class GenerationHandle(Protocol):
+    """A submitted request: iterate it for its events (each choice ends with one that has a finish reason)."""
+
+    @property
+    def request(self) -> GenerationRequest: ...
+
+    def cancel(self) -> None: ...
+
+    def __iter__(self) -> Iterator[TokenEvent]: ...
+
+
+class EngineBackend(Protocol):
+    """What the service starts and the server submits to."""
+
+    limits: EngineLimits
+    load_error: str | None            # why loading failed (then it never becomes ready)
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def submit(self, request: GenerationRequest) -> GenerationHandle:
+        """Queue a request; raises a ``ServingError`` (naming the field) for one that cannot be served."""
+        ...

@@ -1,0 +1,51 @@
+"""From a validated request to engine requests: the prompt layer renders, the protocol model converts.
+
+Each schema's parsed request is checked across its fields, its prompts rendered by the model's ``PromptRenderer``
+(tokenizer, chat template, tool-call dialect; for a vision model its images are fetched, decoded and run through
+the vision tower here, on the request's thread), then converted into ``GenerationRequest``s. This module is where
+the two meet, so the work a request costs before it reaches the engine is visible in one place.
+"""
+
+from __future__ import annotations
+
+from handler.engine.types import GenerationRequest
+from handler.errors import Unprocessable
+from handler.prompt.renderer import PromptRenderer
+from handler.protocol.chat import ChatCompletionRequest
+from handler.protocol.completions import CompletionRequest
+from handler.protocol.legacy import LegacyRequest
+
+
+def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer,
+                 default_temperature: float) -> GenerationRequest:
+    parsed.check()
+    plan = parsed.output_plan(renderer)
+    messages, images = parsed.prompt_messages()
+    prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images)
+    return parsed.to_generation_request(prompt, plan, default_temperature)
+
+
+def legacy_requests(parsed: LegacyRequest, renderer: PromptRenderer,
+                    default_max_new_tokens: int) -> list[GenerationRequest]:
+    """Each input tokenised as it is, with the tokenizer's own special tokens (TGI, LMI)."""
+    parsed.check()
+    prompt_ids = [renderer.encode(prompt, add_special_tokens=True) for prompt in parsed.prompts]
+    return parsed.to_generation_requests(prompt_ids, default_max_new_tokens)
+
+
+def completion_requests(parsed: CompletionRequest, renderer: PromptRenderer,
+                        default_temperature: float) -> list[GenerationRequest]:
+    """``use_raw_prompt`` absent or true: each prompt tokenised as it is; false (Databricks): sent as one user
+    message through the chat template."""
+    parsed.check()
+    prompt_ids = [_completion_prompt(parsed, renderer, prompt) for prompt in parsed.prompts]
+    return parsed.to_generation_requests(prompt_ids, default_temperature)
+
+
+def _completion_prompt(parsed: CompletionRequest, renderer: PromptRenderer, prompt: str) -> list[int]:
+    if parsed.use_raw_prompt is not False:
+        return renderer.encode(prompt, add_special_tokens=True)
+    if not renderer.has_chat_template:
+        raise Unprocessable("use_raw_prompt: false needs a chat template, and this model has none",
+                            param="use_raw_prompt")
+    return renderer.render_chat([{"role": "user", "content": prompt}])
