@@ -18,11 +18,13 @@ So, for every hop (the first URL and each redirect):
    the certificate against the URL's host name;
 4. redirects, time (per operation and overall) and bytes (while streaming) are capped.
 
-Every refusal is a ``BadRequest`` naming the URL's host and the rule it broke.
+Every refusal is a ``BadRequest`` naming the URL's host and the rule it broke; a URL refused by a rule or that
+could not be read is an ``ImageFetchError``, whose ``reason`` says which kind (the metric label, the error code).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import http.client
 import io
@@ -36,6 +38,29 @@ from typing import Any
 from urllib.parse import SplitResult, quote, urljoin, urlsplit
 
 from handler.errors import BadRequest
+
+
+class FetchFailure(enum.Enum):
+    """Why an image URL was not fetched; the value is the error's ``code`` and the metric's ``reason`` label."""
+
+    DISABLED = "fetch_disabled"
+    SCHEME = "scheme"
+    DNS = "dns"
+    BLOCKED_ADDRESS = "blocked_address"
+    TOO_MANY_REDIRECTS = "too_many_redirects"
+    HTTP_STATUS = "http_status"
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"
+    TOO_LARGE = "too_large"
+
+
+class ImageFetchError(BadRequest):
+    """An image URL refused by a fetch rule or that could not be read (a 400 naming the content part)."""
+
+    def __init__(self, message: str, *, param: str, reason: FetchFailure) -> None:
+        super().__init__(message, param=param, code=reason.value)
+        self.reason = reason
+
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # (family, type, proto, sockaddr) as socket.getaddrinfo gives them.
@@ -113,10 +138,10 @@ def fetch_image_bytes(url: str, policy: FetchPolicy, *, param: str = "url") -> b
             return body
         url = urljoin(url, location)
     host = _split(url, param).hostname or ""
-    raise BadRequest(
+    raise ImageFetchError(
         f"image URL host '{host}': more than {policy.max_redirects} redirects; refused",
         param=param,
-        code="too_many_redirects",
+        reason=FetchFailure.TOO_MANY_REDIRECTS,
     )
 
 
@@ -128,14 +153,14 @@ def _check_url(url: str, policy: FetchPolicy, param: str) -> _Target:
     parts = _split(url, param)
     host = parts.hostname or ""
     if not policy.enabled:
-        raise BadRequest(
-            f"image URL fetching is disabled; refused URL for host '{host}'", param=param, code="fetch_disabled"
+        raise ImageFetchError(
+            f"image URL fetching is disabled; refused URL for host '{host}'", param=param, reason=FetchFailure.DISABLED
         )
     if parts.scheme not in _SCHEMES:
-        raise BadRequest(
+        raise ImageFetchError(
             f"image URL host '{host}': scheme '{parts.scheme}' is not allowed (only http and https); refused",
             param=param,
-            code="scheme",
+            reason=FetchFailure.SCHEME,
         )
     if not host:
         raise BadRequest("image URL has no host; refused", param=param)
@@ -193,9 +218,13 @@ def _resolve(host: str, port: int, param: str) -> tuple[AddrInfo, ...]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as exc:
-        raise BadRequest(f"could not resolve image URL host '{host}': {exc}", param=param, code="dns") from exc
+        raise ImageFetchError(
+            f"could not resolve image URL host '{host}': {exc}", param=param, reason=FetchFailure.DNS
+        ) from exc
     if not infos:
-        raise BadRequest(f"could not resolve image URL host '{host}': no addresses", param=param, code="dns")
+        raise ImageFetchError(
+            f"could not resolve image URL host '{host}': no addresses", param=param, reason=FetchFailure.DNS
+        )
     return tuple((family, type_, proto, sockaddr) for family, type_, proto, _, sockaddr in infos)
 
 
@@ -234,13 +263,15 @@ def _check_addresses(host: str, addresses: tuple[AddrInfo, ...], policy: FetchPo
             ip = ipaddress.ip_address(sockaddr[0])
         except ValueError:
             message = f"image URL host '{host}' resolves to {sockaddr[0]!r}, not an IP address; refused"
-            raise BadRequest(message, param=param, code="dns") from None
+            raise ImageFetchError(message, param=param, reason=FetchFailure.DNS) from None
         if _host_key(str(ip)) in allowed:
             continue
         problem = _address_problem(ip)
         if problem is not None:
-            raise BadRequest(
-                f"image URL host '{host}' resolves to {problem}; refused", param=param, code="blocked_address"
+            raise ImageFetchError(
+                f"image URL host '{host}' resolves to {problem}; refused",
+                param=param,
+                reason=FetchFailure.BLOCKED_ADDRESS,
             )
 
 
@@ -403,17 +434,17 @@ def _fetch_one(target: _Target, policy: FetchPolicy, clock: _Clock, param: str) 
             if resp.status in _REDIRECT_STATUSES:
                 return _location(resp, target.host, param), b""
             if not 200 <= resp.status < 300:
-                raise BadRequest(
+                raise ImageFetchError(
                     f"image URL host '{target.host}' answered HTTP {resp.status} {resp.reason}; "
                     "could not fetch the image",
                     param=param,
-                    code="http_status",
+                    reason=FetchFailure.HTTP_STATUS,
                 )
             return None, _read_body(resp, policy, target.host, param)
     except (OSError, http.client.HTTPException) as exc:
-        reason = "timeout" if isinstance(exc, TimeoutError) else "connection"
-        raise BadRequest(
-            f"could not fetch image from host '{target.host}': {_describe(exc)}", param=param, code=reason
+        reason = FetchFailure.TIMEOUT if isinstance(exc, TimeoutError) else FetchFailure.CONNECTION
+        raise ImageFetchError(
+            f"could not fetch image from host '{target.host}': {_describe(exc)}", param=param, reason=reason
         ) from exc
     finally:
         if conn is not None:
@@ -430,20 +461,20 @@ def _location(resp: http.client.HTTPResponse, host: str, param: str) -> str:
 def _read_body(resp: http.client.HTTPResponse, policy: FetchPolicy, host: str, param: str) -> bytes:
     """The body, read in chunks and refused as soon as it passes ``policy.max_bytes``."""
     if resp.length is not None and resp.length > policy.max_bytes:
-        raise BadRequest(
+        raise ImageFetchError(
             f"image from host '{host}' is {resp.length} bytes (Content-Length), over the limit of "
             f"{policy.max_bytes} bytes; refused",
             param=param,
-            code="too_large",
+            reason=FetchFailure.TOO_LARGE,
         )
     body = bytearray()
     while chunk := resp.read1(min(_CHUNK, policy.max_bytes + 1 - len(body))):
         body += chunk
         if len(body) > policy.max_bytes:
-            raise BadRequest(
+            raise ImageFetchError(
                 f"image from host '{host}' is over the limit of {policy.max_bytes} bytes; refused",
                 param=param,
-                code="too_large",
+                reason=FetchFailure.TOO_LARGE,
             )
     if resp.length:  # the server closed before sending all it announced
         raise http.client.IncompleteRead(bytes(body), resp.length)

@@ -51,7 +51,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
         self.has_chat_template = bool(template)
-        self.tool_format = tool_calls.detect_format(template) if tool_format == "auto" else tool_format
+        self.tool_format = tool_calls.detect_format(template, None if tool_format == "auto" else tool_format)
         self._template_renders_tools = tool_calls.template_renders_tools(template)
         self.tool_marker_id = self._special_token_id(tool_calls.FORMATS[self.tool_format].opener)
 
@@ -63,15 +63,8 @@ class PromptRenderer:
             return None
         return token_id if token_id in set(self.tokenizer.all_special_ids) else None
 
-    @property
-    def is_vision(self) -> bool:
-        return False
-
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
         """A single token's own text, as TGI reports it in ``details.tokens``."""

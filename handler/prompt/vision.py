@@ -13,7 +13,7 @@ from collections.abc import Callable
 from handler import metrics
 from handler.config import Settings
 from handler.errors import BadRequest
-from handler.images import DecodeLimits, FetchPolicy, load_image
+from handler.images import DecodeLimits, FetchPolicy, ImageFetchError, load_image
 from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 
 
@@ -26,9 +26,8 @@ def image_loader(settings: Settings) -> Callable[[ImageRef], object]:
     def load(ref: ImageRef):
         try:
             return load_image(ref.ref, policy, limits, param=ref.param)
-        except BadRequest as error:
-            if error.code:  # set by the fetcher only: a URL that was refused or could not be read
-                metrics.record_image_fetch_failure(error.code)
+        except ImageFetchError as error:
+            metrics.record_image_fetch_failure(error.reason.value)
             raise
 
     return load
@@ -45,10 +44,6 @@ class VisionRenderer(PromptRenderer):
         self._load = load
         self._max_images = max_images
         self.has_chat_template = bool(getattr(encoder.processor, "chat_template", None)) or self.has_chat_template
-
-    @property
-    def is_vision(self) -> bool:
-        return True
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return list(self.render_prompt(messages, tools).prompt_ids)
