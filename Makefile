@@ -21,10 +21,10 @@ bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run
 
 fmt: venv
-	$(PY) -m ruff format handler tests bench
+	$(PY) -m ruff format handler tests bench devtools
 
 lint: venv
-	$(PY) -m ruff check handler tests bench
+	$(PY) -m ruff check handler tests bench devtools
 
 image:  ## build the serving image with podman (as root; installs podman, base image, wheelhouse when missing)
 	bash ci/image.sh

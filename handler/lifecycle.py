@@ -26,10 +26,6 @@ class Drain:
         self._lock = threading.Lock()
         self._in_flight = 0
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def wrap(self, app: Callable) -> Callable:
         """WSGI middleware: a request counts until its response iterable is closed (streams included)."""
 

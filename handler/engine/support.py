@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from safetensors import safe_open
+from handler.engine.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -38,16 +38,6 @@ def rope_parameters(config: dict) -> dict:
 def rope_type(config: dict) -> str:
     rope = rope_parameters(config)
     return rope.get("rope_type", rope.get("type", "default"))
-
-
-def tensor_names(model_dir: Path) -> set[str]:
-    """Every tensor name in the folder's safetensors files (headers only: no weight is read, torch not imported,
-    so the server's master process can check a folder before it starts a worker)."""
-    names: set[str] = set()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="numpy") as handle:
-            names.update(handle.keys())
-    return names
 
 
 def check_lean(config: dict, names: Iterable[str] | None, max_model_len: int) -> None:

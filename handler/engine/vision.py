@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from safetensors import safe_open
 
+from handler.engine.checkpoint import read_tensors, rename
 from handler.engine.model import read_config
 from handler.engine.support import LEAN_MODEL_TYPES, UnsupportedModel, unsupported_features
 from handler.engine.types import PromptEmbeds
@@ -149,7 +149,7 @@ def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     prefixes = architecture(config).text_prefixes
     renamed = {}
     for key, tensor in state.items():
-        name = _renamed(key, prefixes)
+        name = rename(key, prefixes)
         if name is not None:
             renamed[name] = tensor
     if "model.embed_tokens.weight" not in renamed:
@@ -157,13 +157,6 @@ def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     if text_config(config)["tie_word_embeddings"] or "lm_head.weight" not in renamed:
         renamed["lm_head.weight"] = renamed["model.embed_tokens.weight"]
     return renamed
-
-
-def _renamed(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
-    for old, new in prefixes:
-        if key.startswith(old):
-            return new + key[len(old) :]
-    return None
 
 
 class VisionEncoder:
@@ -269,26 +262,8 @@ def _load_vision_model(
     with init_empty_weights(include_buffers=False):
         model = AutoModel.from_config(config)
     setattr(model, arch.text_module, None)
-    model.load_state_dict(_read_tensors(model_dir, arch.vision_prefixes, dtype), strict=False, assign=True)
+    model.load_state_dict(read_tensors(model_dir, arch.vision_prefixes, dtype), strict=False, assign=True)
     missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
     return model.to(device).eval()
-
-
-def _read_tensors(model_dir: Path, prefixes: tuple[tuple[str, str], ...], dtype: torch.dtype) -> dict:
-    """The tensors under ``prefixes`` from every safetensors file, renamed, floats cast to ``dtype``; copied out of
-    the file mapping so that none keeps the file resident."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    tensors = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                name = _renamed(key, prefixes)
-                if name is None:
-                    continue
-                tensor = handle.get_tensor(key)
-                tensors[name] = tensor.to(dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
-    return tensors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 
@@ -94,10 +96,28 @@ def url(server: RunningServer) -> str:
     return server.url
 
 
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    """The openai SDK against the session's server (no retries)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def post(url: str, body: object, path: str = "/invocations", **kwargs) -> requests.Response:
+    """POST a JSON body to the server (``/invocations`` unless ``path`` says otherwise)."""
+    return requests.post(f"{url}{path}", json=body, timeout=120, **kwargs)
+
+
+def sse_events(response: requests.Response) -> list[dict]:
+    """The JSON records of a whole SSE answer, which must end with ``data: [DONE]``."""
+    frames = response.content.decode("utf-8").split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    return [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
+
+
 def local_runtime(container_url: str) -> Iterator[str]:
-    """The local SageMaker runtime (``handler.local_runtime``) in front of a server, on a thread; yields its URL.
+    """The local SageMaker runtime (``devtools.local_runtime``) in front of a server, on a thread; yields its URL.
     16-byte PayloadParts, so stream records are cut across parts as the real service may cut them."""
-    from handler.local_runtime import RuntimeConfig, make_server
+    from devtools.local_runtime import RuntimeConfig, make_server
 
     runtime = make_server(RuntimeConfig(container_url=container_url, max_part_bytes=16), "127.0.0.1", 0)
     threading.Thread(target=runtime.serve_forever, daemon=True).start()

@@ -13,17 +13,14 @@ import pytest
 import requests
 from openai.types.chat import ChatCompletion
 
+from tests.e2e.conftest import sse_events
+
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]  # greedy: "The capital of France is Paris."
 SHORT = 6  # tokens of the capital answer that reach "Paris" and stop before its end, so finish_reason is length
 ANSWER_TOKENS = 8  # the whole greedy capital answer, its EOS included
 REPEAT = [{"role": "user", "content": "Repeat after me: la la la la la la la la la la la la"}]  # a repetitive answer
 HOT = 1.5  # a temperature at which this model's samples differ from its greedy answer at once
 TOKENIZER = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct" / "tokenizer.json"
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def ask(client: openai.OpenAI, messages: list[dict] = CAPITAL, max_tokens: int = SHORT, model: str = "m",
@@ -47,12 +44,6 @@ def greedy(client: openai.OpenAI) -> ChatCompletion:
 def hot(client: openai.OpenAI) -> str:
     """The same request at temperature HOT, seeded: what the truncation tests must bring back to greedy."""
     return text_of(ask(client, temperature=HOT, seed=1))
-
-
-def sse_events(response: requests.Response) -> list[dict]:
-    frames = response.content.decode("utf-8").split("\n\n")
-    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
-    return [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
 
 
 def raw_stream(url: str, **fields) -> list[dict]:

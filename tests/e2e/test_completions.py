@@ -7,19 +7,11 @@ import math
 
 import openai
 import pytest
-import requests
+
+from tests.e2e.conftest import post
 
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def post(url: str, body: dict, path: str = "/invocations", **kwargs) -> requests.Response:
-    return requests.post(f"{url}{path}", json=body, timeout=120, **kwargs)
 
 
 def greedy_token_ids(url: str, prompt: str, num_tokens: int) -> list[int]:

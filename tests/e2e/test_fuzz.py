@@ -4,7 +4,7 @@
 Property tests (hypothesis) replace one field of a small valid body with a hostile value (wrong types, huge
 numbers, NaN / Infinity literals written into the raw JSON text, lone surrogates, NUL, RTL marks, emoji, deep
 nesting), plus non-object bodies; explicit tests cover the big cases (10k messages, 10k stop strings, 5,000 levels
-of nesting, a body over 6 MiB). A schemathesis run checks the routes against ``handler/openapi.yaml``.
+of nesting, a body over 6 MiB). A schemathesis run checks the routes against ``docs/openapi.yaml``.
 
 Requests that are valid and would generate are held to a few tokens (``max_tokens`` / ``max_new_tokens`` ≤ 4), or
 streamed and closed after a few lines when the fuzzed field is the token limit itself.
@@ -25,7 +25,7 @@ SMALL = 2       # max_tokens / max_new_tokens for requests that generate
 STREAM_LINES = 5  # lines read from a stream with a huge token limit before closing it
 CHAT_ROUTES = ["/invocations", "/v1/chat/completions"]
 RAW = "__RAW_JSON_TOKEN__"  # placeholder replaced in the serialised body by a raw JSON token
-OPENAPI = Path(__file__).resolve().parents[2] / "handler" / "openapi.yaml"
+OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                 database=None)
@@ -329,7 +329,7 @@ def test_bodies_that_once_answered_500(url: str, name: str) -> None:
         assert response.status_code < 500, f"{response.status_code} {response.text[:300]}"
 
 
-# ---- schemathesis: the routes against handler/openapi.yaml ---------------------------------------------------
+# ---- schemathesis: the routes against docs/openapi.yaml ------------------------------------------------------
 try:
     import schemathesis
     from schemathesis.checks import not_a_server_error

@@ -8,27 +8,18 @@ import openai
 import pytest
 import requests
 
+from tests.e2e.conftest import post, sse_events
+
 CAPITAL = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
 # Prompts whose greedy answers contain multi-byte characters split across byte-level tokens.
 MULTIBYTE_PROMPTS = ["How do you say thank you in Japanese?", "Translate 'good morning' to Chinese.",
                      "Écris une phrase en français sur Paris."]
 
 
-def post(url: str, body: object, path: str = "/invocations", **kwargs) -> requests.Response:
-    return requests.post(f"{url}{path}", json=body, timeout=120, **kwargs)
-
-
 def json_lines(response: requests.Response) -> list[dict]:
     raw = response.content.decode("utf-8")
     assert raw.endswith("\n")
     return [json.loads(line) for line in raw.split("\n")[:-1]]
-
-
-def sse_events(response: requests.Response) -> list[dict]:
-    raw = response.content.decode("utf-8")
-    frames = raw.split("\n\n")
-    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
-    return [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
 
 
 def test_ping_is_200_with_empty_body(url):

@@ -41,11 +41,6 @@ FORCE_TIME = {"type": "function", "function": {"name": "get_time"}}
 CALL_TOKENS = 40  # a whole Hermes call to one of TOOLS is about 30 tokens
 
 
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, **fields) -> ChatCompletion:
     return client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, **fields)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import post, start_server, stop_server
 
 CONTEXT = 256
 
@@ -15,10 +15,6 @@ def small(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("small-context"), {"OPTION_MAX_MODEL_LEN": str(CONTEXT)})
     yield server.url
     stop_server(server)
-
-
-def post(url: str, body: dict) -> requests.Response:
-    return requests.post(f"{url}/invocations", json=body, timeout=120)
 
 
 def test_too_long_prompt_is_refused_by_default(small):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +17,11 @@ from handler.prompt.renderer import PromptRenderer
 MAX_MODEL_LEN = 512
 # ENGINE_TEST_DEVICE=cuda runs the engine tests on a GPU (the CUDA path; CI has none, so cpu by default)
 DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
+
+
+def post(client, path: str, body: object, **kwargs):
+    """POST a JSON body through a Flask test client."""
+    return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
 
 
 def make_engine(loaded, max_step_tokens: int) -> Engine:

@@ -1,7 +1,7 @@
 """The local SageMaker runtime, driven by the UNMODIFIED boto3 ``sagemaker-runtime`` client.
 
 A fake container (stdlib HTTP server on loopback) stands in for the model server; the local runtime runs
-in a thread (and once as ``python -m handler.local_runtime``) in front of it. Only 127.0.0.1 is used.
+in a thread (and once as ``python -m devtools.local_runtime``) in front of it. Only 127.0.0.1 is used.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from botocore.exceptions import EventStreamError
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
-from handler.local_runtime import RuntimeConfig, make_server  # noqa: E402
+from devtools.local_runtime import RuntimeConfig, make_server  # noqa: E402
 
 STREAM_LINES = [
     json.dumps({"token": {"id": i, "text": text, "special": False}})
@@ -355,7 +355,7 @@ def test_unknown_path_and_ping(runtime_url: str) -> None:
 
 def test_command_line_runtime(container) -> None:
     command = [
-        sys.executable, "-m", "handler.local_runtime", "--container-url", _url(container),
+        sys.executable, "-m", "devtools.local_runtime", "--container-url", _url(container),
         "--host", "127.0.0.1", "--port", "0", "--max-part-bytes", "3", "--log-level", "WARNING",
     ]  # fmt: skip
     with subprocess.Popen(command, cwd=_REPO_ROOT, stdout=subprocess.PIPE, text=True) as process:

@@ -18,6 +18,7 @@ from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, To
 from handler.errors import EngineError, NotReady, Overloaded
 from handler.prompt.renderer import PromptRenderer
 from handler.service import RequestDefaults
+from tests.integration.conftest import post
 
 MODEL_NAME = "smollm2-135m-instruct"
 HELLO, WORLD, EOS = 19556, 905, 2           # "Hello", " world", "<|im_end|>" in the embedded tokenizer
@@ -100,8 +101,8 @@ class FakeService(types.SimpleNamespace):
 
 @pytest.fixture()
 def service(renderer: PromptRenderer) -> FakeService:
-    return FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256), renderer=renderer,
-                       engine=FakeEngine(), user_handler=None)
+    return FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256),
+                       renderer=renderer, engine=FakeEngine(), user_handler=None)
 
 
 @pytest.fixture()
@@ -111,10 +112,6 @@ def client(service, monkeypatch):
     monkeypatch.setattr("handler.protocol.legacy.new_request_id", lambda prefix: f"{prefix}-test")
     app = server.create_app(service)
     return app.test_client()
-
-
-def post(client, path: str, body: object, **kwargs):
-    return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
 
 
 # ---- /ping ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,14 @@ from handler.engine.types import FinishReason, GenerationRequest, SamplingParams
 from handler.errors import BadRequest, ServingError, Unprocessable
 from handler.formatting import chat as chat_format
 from handler.formatting import completions
-from handler.formatting.context import ChatContext, ChoiceResult, CompletionsContext, FormatContext, best_choices, cumulative_logprob
+from handler.formatting.context import (
+    ChatContext,
+    ChoiceResult,
+    CompletionsContext,
+    FormatContext,
+    best_choices,
+    cumulative_logprob,
+)
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import ExtraParameters, Extras, PassThrough, parse_model, parse_request
 from handler.protocol.completions import CompletionRequest

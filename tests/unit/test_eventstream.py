@@ -12,7 +12,7 @@ from botocore.eventstream import ChecksumMismatch, EventStream, EventStreamBuffe
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
-from handler import eventstream  # noqa: E402
+from devtools import eventstream  # noqa: E402
 
 
 def _decode_all(data: bytes, step: int | None = None) -> list[EventStreamMessage]:

@@ -149,7 +149,8 @@ class ScriptedHandle:
 def test_observed_handle_turns_an_engine_timeout_into_504() -> None:
     record = RequestRecord("r", "/invocations", started=0.0)
     message = "request timed out after 5 s (option.request_timeout)"
-    handle = ObservedHandle(ScriptedHandle([token(0), final(0, FinishReason.ERROR, 1, message, ErrorKind.TIMEOUT)]), record)
+    timed_out = final(0, FinishReason.ERROR, 1, message, ErrorKind.TIMEOUT)
+    handle = ObservedHandle(ScriptedHandle([token(0), timed_out]), record)
     before = sample("llm_request_timeouts_total")
     with pytest.raises(GatewayTimeout, match="timed out after 5 s") as info:
         list(handle)

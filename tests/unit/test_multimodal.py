@@ -13,8 +13,8 @@ from PIL import Image
 from handler.config import Settings
 from handler.engine.vision import MultimodalPrompt
 from handler.errors import BadRequest
-from handler.prompt.vision import VisionRenderer, image_loader
 from handler.prompt.renderer import ImageRef
+from handler.prompt.vision import VisionRenderer, image_loader
 
 
 def png_uri(width: int = 4, height: int = 4) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from handler import intake
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from handler.errors import BadRequest
+from handler.prompt.renderer import PromptRenderer
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import parse_model
 from handler.protocol.legacy import LegacyRequest
-from handler import intake
-from handler.prompt.renderer import PromptRenderer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

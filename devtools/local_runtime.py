@@ -2,7 +2,7 @@
 
 It lets the UNMODIFIED boto3 ``sagemaker-runtime`` client talk to a container running on this machine::
 
-    python -m handler.local_runtime --container-url http://127.0.0.1:8080 --host 127.0.0.1 --port 8081
+    python -m devtools.local_runtime --container-url http://127.0.0.1:8080 --host 127.0.0.1 --port 8081
 
     client = boto3.client("sagemaker-runtime", endpoint_url="http://127.0.0.1:8081", region_name="us-east-1",
                           aws_access_key_id="test", aws_secret_access_key="test")
@@ -57,9 +57,9 @@ from typing import BinaryIO
 import requests
 import urllib3
 
-from handler import eventstream
+from devtools import eventstream
 
-LOG = logging.getLogger("handler.local_runtime")
+LOG = logging.getLogger("devtools.local_runtime")
 
 _ROUTE = re.compile(r"^/endpoints/(?P<name>[^/]+)/(?P<op>invocations|invocations-response-stream)$")
 _MAX_MESSAGE_CHARS = 2048  # the service model's ``Message`` shape has max 2048

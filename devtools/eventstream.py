@@ -1,6 +1,6 @@
 """Encoder for the AWS event-stream binary format (``application/vnd.amazon.eventstream``).
 
-Written from the published wire format, used by :mod:`handler.local_runtime` to emulate SageMaker's
+Written from the published wire format, used by :mod:`devtools.local_runtime` to emulate SageMaker's
 ``InvokeEndpointWithResponseStream``. One message is::
 
     prelude:  total length (uint32 BE) | headers length (uint32 BE) | CRC32 of those 8 bytes (uint32 BE)
