@@ -195,9 +195,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     path = properties_path(environ, model_root)
     raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
     raw.update(env_overrides(environ))
+    named_by = {}  # setting -> the environment name that filled it (errors name what the user wrote)
     for name, alias in ENV_NAMES.items():  # they only fill what ours leave unset
-        if name in environ:
-            raw.setdefault(alias, environ[name])
+        if name in environ and alias not in raw:
+            raw[alias], named_by[alias] = environ[name], name
     if not raw.get("model_id") and (model_root / "config.json").is_file():
         raw["model_id"] = str(model_root)
     try:
@@ -206,7 +207,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         first = error.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "?"
         reason = "unknown setting" if first["type"] == "extra_forbidden" else first["msg"]
-        raise ConfigError(f"invalid setting option.{key}={raw.get(key, '')!r}: {reason}") from None
+        where = f"{named_by[key]} (option.{key})" if key in named_by else f"option.{key}"
+        raise ConfigError(f"invalid setting {where}={raw.get(key, '')!r}: {reason}") from None
     check_model_dir(settings)
     return settings
 

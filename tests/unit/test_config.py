@@ -252,3 +252,31 @@ def test_tgi_alias_does_not_override_properties_file(env: dict[str, str]) -> Non
 def test_serving_properties_pointing_at_a_missing_file_fails(env: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="SERVING_PROPERTIES"):
         load_settings({**env, "SERVING_PROPERTIES": str(tmp_path / "typo.properties")})
+
+
+def test_sagemaker_process_names_fill_the_gunicorn_options(env: dict[str, str]) -> None:
+    from handler.__main__ import gunicorn_options
+
+    settings = load_settings({**env, "SAGEMAKER_BIND_TO_PORT": "9123", "SAGEMAKER_MODEL_SERVER_WORKERS": "2",
+                              "SAGEMAKER_MODEL_SERVER_THREADS": "64", "SAGEMAKER_CONTAINER_LOG_LEVEL": "30",
+                              "SERVER_HOST": "127.0.0.1", "SERVER_GRACEFUL_TIMEOUT": "20"})
+    options = gunicorn_options(settings)
+    assert (options["bind"], options["workers"], options["threads"]) == ("127.0.0.1:9123", 2, 64)
+    assert (options["loglevel"], options["graceful_timeout"]) == ("warning", 20)
+
+
+@pytest.mark.parametrize(("timeout", "request_timeout", "worker_timeout"), [
+    (None, 60.0, 120),      # the defaults: 60 s per request, gunicorn's 120 s silence timeout
+    ("300", 300.0, 300),    # one name, one meaning: the request timeout; the worker waits at least as long
+    ("30", 30.0, 120),
+])
+def test_model_server_timeout_is_the_request_timeout(env: dict[str, str], timeout: str | None,
+                                                     request_timeout: float, worker_timeout: int) -> None:
+    environ = env if timeout is None else {**env, "SAGEMAKER_MODEL_SERVER_TIMEOUT": timeout}
+    settings = load_settings(environ)
+    assert (settings.request_timeout, settings.worker_timeout) == (request_timeout, worker_timeout)
+
+
+def test_a_bad_environment_value_names_the_variable(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"SAGEMAKER_BIND_TO_PORT \(option.port\)='abc'"):
+        load_settings({**env, "SAGEMAKER_BIND_TO_PORT": "abc"})
