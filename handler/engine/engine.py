@@ -4,54 +4,34 @@ Callers on any thread ``submit`` a ``GenerationRequest`` and read ``TokenEvent``
 never touch the model or wait on a lock around it. All requests in flight share each model step (continuous
 batching): new requests join between steps, finished ones leave at once and free their cache slot.
 
-Backpressure lives here because only the engine knows what waits: past ``Admission.max_waiting`` requests without a
-slot, ``submit`` refuses at once (429) rather than letting callers queue without bound; a request still unfinished
-``Admission.timeout_s`` after its submit ends with an error event that names the limit, which frees its slot. The
-engine reports ``EngineStats`` to one listener after its steps (metrics); it imports nothing of HTTP or Prometheus.
+Each choice's state lives on its ``Sequence``, which also accepts its sampled tokens (grammar, text, stop checks);
+the engine samples, emits what the sequence returns, and frees slots. Backpressure (the bounded wait queue and the
+per-request deadline) is ``admission.AdmissionControl``'s, driven by the engine's current ``admission`` settings.
+The engine reports ``EngineStats`` to one listener after its steps (metrics); it imports nothing of HTTP or
+Prometheus.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler.engine.admission import AdmissionControl
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.constraints import GrammarCompiler
-from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.runner import ModelRunner, StepOutput
-from handler.engine.sampler import RowState, SampleResult, sample
+from handler.engine.sampler import SampleResult, sample
 from handler.engine.scheduler import Scheduler, StepPlan
-from handler.engine.sequence import RequestHandle, RequestState, Sequence, make_generator
-from handler.engine.types import (
-    ErrorKind,
-    FinishReason,
-    GenerationRequest,
-    StopConditions,
-    TokenEvent,
-    TopLogprob,
-)
-from handler.errors import BadRequest, EngineError, NotReady, Overloaded, Unprocessable
+from handler.engine.sequence import RequestHandle, RequestState, Sequence, Vocabulary
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
+from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
-
-@dataclass(slots=True, eq=False)
-class TrackedRequest(RequestState):
-    """A request with its deadline; it waits until its first sequence takes a slot."""
-
-    deadline: float = math.inf         # time.monotonic() value
-    is_expired: bool = False
-    matcher: object | None = None      # the request's compiled grammar, unadvanced; each choice advances a copy
-
-    @property
-    def is_waiting(self) -> bool:
-        return not self.sequences and not self.is_expired and not self.cancelled.is_set()
 
 
 @dataclass(slots=True)
@@ -86,16 +66,16 @@ class Engine:
         self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
         self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._cached_prefix_length)
         self._loaded: LoadedModel | None = None
+        self._vocab: Vocabulary | None = None
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.load_error: str | None = None
-        self.admission = admission
+        self.admission = admission    # replaceable while running: admission control reads it each time
+        self._admission = AdmissionControl(lambda: self.admission)
         self._listener = on_stats
         self._last_stats: EngineStats | None = None
-        self._submit_lock = threading.Lock()
-        self._pending: list[TrackedRequest] = []    # submitted requests that may still be waiting
-        self._num_sampled = 0                         # tokens sampled since the last report
+        self._num_sampled = 0         # tokens sampled since the last report
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -122,15 +102,10 @@ class Engine:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
         request = self.fit_prompt(request)
         self.validate(request)
-        timeout = self.admission.timeout_s
-        deadline = time.monotonic() + timeout if timeout is not None else math.inf
-        matcher = self._compile_grammar(request)
-        state = TrackedRequest(request, self._new_sequence, deadline=deadline, matcher=matcher)
-        with self._submit_lock:
-            self._check_queue_room()
-            self._pending.append(state)
-            self._inbox.put(state)
-        return RequestHandle(state, lambda: self._thread.is_alive())
+        state = RequestState(request, self._new_sequence, deadline=self._admission.deadline(),
+                             matcher=self._compile_grammar(request))
+        self._admission.enqueue(state, self._inbox.put)
+        return RequestHandle(state, self._thread.is_alive)
 
     def _compile_grammar(self, request: GenerationRequest):
         if request.grammar is None:
@@ -138,13 +113,6 @@ class Engine:
         if self._loaded.grammar is None:
             raise Unprocessable("this model cannot constrain its output", param=request.grammar.param)
         return self._loaded.grammar.compile(request.grammar)
-
-    def _check_queue_room(self) -> None:
-        self._pending = [s for s in self._pending if s.is_waiting]
-        limit = self.admission.max_waiting
-        if limit is not None and len(self._pending) >= limit:
-            raise Overloaded(f"the server is busy: {len(self._pending)} requests are already waiting for a batch "
-                             "slot (option.max_queue_size); retry later")
 
     def fit_prompt(self, request: GenerationRequest) -> GenerationRequest:
         """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one
@@ -185,6 +153,7 @@ class Engine:
             log.exception("model load failed")
             self._on_failed(self.load_error)
             return
+        self._vocab = Vocabulary(self._loaded.tokenizer, self._loaded.eos_token_ids, self._loaded.special_token_ids)
         self._warm_up()
         self._on_ready()
         self._ready.set()
@@ -212,7 +181,7 @@ class Engine:
                 continue
             request = GenerationRequest("warm-up", prompt_ids=prompt_ids, n=n,
                                         stop=StopConditions(max_new_tokens=4, ignore_eos=True))
-            self._scheduler.add(TrackedRequest(request, self._new_sequence))
+            self._scheduler.add(RequestState(request, self._new_sequence))
             while self._scheduler.has_work:
                 self.step()
         self._num_sampled = 0  # warm-up tokens are not traffic
@@ -234,7 +203,7 @@ class Engine:
         plan = self._scheduler.schedule()
         if not plan.is_empty:
             self._run(plan)
-        if not self._scheduler.slots:  # also when the last running request was cancelled or expired
+        if not self._scheduler.has_running:  # also when the last running request was cancelled or expired
             self._loaded.runner.release()
         return len(plan.decode)
 
@@ -243,7 +212,7 @@ class Engine:
             self._postprocess(self._loaded.runner.run(plan))
         except Exception as error:  # the batch's requests end with an error event; the engine goes on
             log.exception("engine step failed")
-            for sequence in list(self._scheduler.slots):
+            for sequence in self._scheduler.running_sequences():
                 if sequence.finish_reason is None:
                     self._finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
 
@@ -286,8 +255,8 @@ class Engine:
         sequences, rows = [], []
         for row, sequence in enumerate(output.sequences):
             choices = [sequence]
-            if not sequence.output_ids and sequence.index == 0 and sequence.request.request.n > 1:
-                choices += [self._fork(sequence, i) for i in range(1, sequence.request.request.n)]
+            if not sequence.output_ids and sequence.index == 0 and sequence.request.n > 1:
+                choices += [self._fork(sequence, i) for i in range(1, sequence.request.n)]
             sequences += choices
             rows += [row] * len(choices)
         return sequences, output.logits[rows] if len(rows) != len(output.sequences) else output.logits
@@ -300,39 +269,13 @@ class Engine:
         return child
 
     def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
-        token_id = result.token_ids[row]
-        sequence.output_ids.append(token_id)
         self._num_sampled += 1
-        stop = sequence.request.request.stop
-        is_eos = token_id in self._loaded.eos_token_ids and not stop.ignore_eos
-        matcher = sequence.row.matcher
-        if matcher is not None and not matcher.consume_token(token_id):
-            self._finish(sequence, FinishReason.ERROR, error=f"the output grammar refused token {token_id}")
-            return
-        text, hit_stop_string = ("", False) if is_eos else sequence.detokenizer.push(token_id)
-        if token_id in sequence.request.request.keep_special_ids:  # the detokenizer drops special tokens' text
-            text += self._loaded.tokenizer.id_to_token(token_id) or ""
-        # a grammar that is complete allows only EOS next: end the choice as if the model had sent it
-        is_complete = is_eos or (matcher is not None and matcher.is_stopped())
-        reason = self._finish_reason(sequence, token_id, is_complete, hit_stop_string)
-        if reason is not None and reason is not FinishReason.STOP:
-            text += sequence.detokenizer.flush()
         top = tuple(TopLogprob(t, lp) for t, lp in result.top_logprobs[row])
-        event = TokenEvent(index=sequence.index, token_id=token_id, text=text, logprob=result.logprobs[row],
-                           top_logprobs=top, is_special=token_id in self._loaded.special_token_ids)
-        if reason is None:
-            sequence.request.events.put(event)
+        accepted = sequence.accept(result.token_ids[row], result.logprobs[row], top)
+        if accepted.finish_reason is None:
+            sequence.request.events.put(accepted.event)
         else:
-            self._finish(sequence, reason, event=event)
-
-    def _finish_reason(self, sequence: Sequence, token_id: int, is_end: bool, hit_stop: bool) -> FinishReason | None:
-        if is_end:
-            return FinishReason.EOS
-        if hit_stop or token_id in sequence.request.request.stop.stop_token_ids:
-            return FinishReason.STOP
-        if len(sequence.output_ids) >= sequence.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
+            self._finish(sequence, accepted.finish_reason, event=accepted.event, error=accepted.error)
 
     def _finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
                 error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
@@ -349,34 +292,20 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         for state in self._scheduler.take_cancelled_waiting():
-            for index in range(state.request.n):
-                state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ABORT,
-                                            num_prompt_tokens=len(state.request.prompt_ids)))
-        for sequence in [s for s in self._scheduler.slots if s.request.cancelled.is_set()]:
-            self._finish(sequence, FinishReason.ABORT)
+            state.finish_unstarted(FinishReason.ABORT)
+        for sequence in self._scheduler.running_sequences():
+            if sequence.request.cancelled.is_set():
+                self._finish(sequence, FinishReason.ABORT)
 
     def _expire_overdue(self) -> None:
         """End every request past its deadline, waiting or running, with an error event naming the limit."""
-        now = time.monotonic()
-        waiting = [s for s in self._scheduler.waiting if s.deadline <= now]
-        if waiting:
-            self._scheduler.waiting = deque(s for s in self._scheduler.waiting if s.deadline > now)
-        running = {s.request: None for s in self._scheduler.slots if s.request.deadline <= now}
-        for state in waiting + list(running):
-            self._expire(state)
-
-    def _expire(self, state: TrackedRequest) -> None:
-        message = f"request timed out after {self.admission.timeout_s:g} s (option.request_timeout)"
-        state.is_expired = True
-        for sequence in list(state.sequences):
-            if sequence.finish_reason is None:
-                self._finish(sequence, FinishReason.ERROR, error=message, error_kind=ErrorKind.TIMEOUT)
-        started = {s.index for s in state.sequences}
-        for index in range(state.request.n):  # choices not forked yet (or never admitted) end too
-            if index not in started:
-                state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
-                                            error=message, error_kind=ErrorKind.TIMEOUT,
-                                            num_prompt_tokens=len(state.request.prompt_ids)))
+        for state in self._admission.take_overdue(self._scheduler):
+            message = self._admission.timeout_error()
+            state.is_expired = True
+            for sequence in list(state.sequences):
+                if sequence.finish_reason is None:
+                    self._finish(sequence, FinishReason.ERROR, error=message, error_kind=ErrorKind.TIMEOUT)
+            state.finish_unstarted(FinishReason.ERROR, message, ErrorKind.TIMEOUT)  # not forked yet, or never admitted
 
     def _report(self, batch_size: int) -> None:
         """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""
@@ -393,25 +322,17 @@ class Engine:
             log.exception("engine stats listener failed")
 
     def _stats(self, batch_size: int) -> EngineStats:
-        slots = self._scheduler.slots
         cache = getattr(self._loaded.runner, "cache", None)
         per_token = cache.bytes_per_token if cache is not None else 0
         return EngineStats(
-            num_running=len({id(s.request) for s in slots}),
-            num_waiting=len(self._scheduler.waiting) + self._inbox.qsize(),
+            num_running=len(self._scheduler.running_requests()),
+            num_waiting=self._scheduler.num_waiting + self._inbox.qsize(),
             batch_size=batch_size, num_sampled=self._num_sampled,
-            kv_cache_used_bytes=per_token * sum(s.num_cached for s in slots),
+            kv_cache_used_bytes=per_token * self._scheduler.num_cached_tokens,
             kv_cache_allocated_bytes=cache.num_bytes if cache is not None else 0)
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
-        request = state.request
-        room = self.limits.max_model_len - len(request.prompt_ids)
-        wanted = request.stop.max_new_tokens
-        matcher = getattr(state, "matcher", None)
-        row = RowState(request.sampling, list(request.prompt_ids), [], make_generator(request.sampling.seed, index),
-                       request.num_top_logprobs, matcher.deep_copy() if matcher is not None else None)
-        detokenizer = IncrementalDetokenizer(self._loaded.tokenizer, request.stop.stop_strings)
-        return Sequence(state, index, row, detokenizer, max_new_tokens=room if wanted is None else min(wanted, room))
+        return Sequence.create(state, index, self._vocab, self.limits.max_model_len)
 
 
 def wait_until_ready(engine: Engine, timeout: float) -> None:

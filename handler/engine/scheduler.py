@@ -3,7 +3,8 @@
 Every step decodes one token for every running sequence, and spends what is left of the per-step token budget
 on prompt prefill: first for sequences whose long prompt is part-way through (chunked prefill), then for new
 requests, oldest first, while slots are free. Running sequences hold slots ``0..n-1`` with no holes: when one
-leaves, the last slot's sequence moves into its place.
+leaves, the last slot's sequence moves into its place. Waiting requests that are cancelled or past their deadline
+are taken out of the queue here; the engine ends them.
 """
 
 from __future__ import annotations
@@ -52,9 +53,22 @@ class Scheduler:
         return bool(self.waiting or self.slots)
 
     @property
+    def has_running(self) -> bool:
+        return bool(self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Cache positions that running sequences hold."""
+        return sum(s.num_cached for s in self.slots)
+
+    @property
     def num_reserved(self) -> int:
         """Slots held now plus those the prefilling requests will fork into."""
-        return sum(s.request.request.n if s.is_prefilling else 1 for s in self.slots)
+        return sum(s.request.n if s.is_prefilling else 1 for s in self.slots)
 
     def add(self, state: RequestState) -> None:
         self.waiting.append(state)
@@ -67,7 +81,7 @@ class Scheduler:
                 length = min(sequence.num_prompt_tokens - sequence.num_cached, budget)
                 prefill.append((sequence, sequence.num_cached, length))
                 budget -= length
-        while self.waiting and budget > 1 and self.num_reserved + self.waiting[0].request.n <= self.max_running:
+        while self.waiting and budget > 1 and self.num_reserved + self.waiting[0].n <= self.max_running:
             sequence = self._admit(self.waiting.popleft())
             length = min(sequence.num_prompt_tokens - sequence.num_cached, budget - 1)
             prefill.append((sequence, sequence.num_cached, length))
@@ -94,8 +108,26 @@ class Scheduler:
         last.slot = hole
         return SlotMove(src=len(self.slots), dst=hole, length=last.num_cached)
 
+    def running_sequences(self) -> list[Sequence]:
+        """The running sequences in slot order (a copy: finishing one moves another into its slot)."""
+        return list(self.slots)
+
+    def running_requests(self) -> list[RequestState]:
+        """The requests holding slots, each once, in the order of their first slot."""
+        return list(dict.fromkeys(s.request for s in self.slots))
+
     def take_cancelled_waiting(self) -> list[RequestState]:
-        cancelled = [s for s in self.waiting if s.cancelled.is_set()]
-        if cancelled:
-            self.waiting = deque(s for s in self.waiting if not s.cancelled.is_set())
-        return cancelled
+        return self._take_waiting(lambda state: state.cancelled.is_set())
+
+    def take_expired(self, now: float) -> list[RequestState]:
+        """Waiting requests whose deadline is ``now`` or earlier."""
+        return self._take_waiting(lambda state: state.deadline <= now)
+
+    def _take_waiting(self, is_taken: Callable[[RequestState], bool]) -> list[RequestState]:
+        # one test per request: a cancel from another thread between two tests would drop it from the queue untaken
+        taken: list[RequestState] = []
+        kept: deque[RequestState] = deque()
+        for state in self.waiting:
+            (taken if is_taken(state) else kept).append(state)
+        self.waiting = kept
+        return taken

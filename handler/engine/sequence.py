@@ -1,11 +1,14 @@
 """Per-request and per-choice engine state, and the handle a caller reads events from.
 
-A ``RequestState`` is one submitted ``GenerationRequest``; it owns ``n`` ``Sequence``s (one per choice) once its
-prompt has been prefilled. A sequence is finished exactly when its ``finish_reason`` is set.
+A ``RequestState`` is one submitted ``GenerationRequest`` with everything the engine keeps for it (its deadline,
+its compiled grammar, its event queue, whether it was cancelled); it owns ``n`` ``Sequence``s (one per choice) once
+its prompt has been prefilled. A ``Sequence`` accepts its sampled tokens itself: it advances its grammar,
+detokenises, and decides when its choice ends. A sequence is finished exactly when its ``finish_reason`` is set.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -15,9 +18,28 @@ import torch
 
 from handler.engine.detokenizer import IncrementalDetokenizer
 from handler.engine.sampler import RowState
-from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
 
 _POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """What every choice needs of the model's tokenizer: the text of tokens, which ids end a choice, which are
+    special."""
+
+    tokenizer: object                  # tokenizers.Tokenizer
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What a sequence made of one sampled token: the event to send, and the finish reason if the token ended it."""
+
+    event: TokenEvent | None               # None: the grammar refused the token
+    finish_reason: FinishReason | None = None
+    error: str | None = None               # set with FinishReason.ERROR
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +55,24 @@ class Sequence:
     num_cached: int = 0
     num_cached_prefix: int = 0       # leading prompt tokens whose KV comes from the runner's shared-prefix cache
     finish_reason: FinishReason | None = None
+    vocab: Vocabulary | None = None  # set by ``create``; only sequences that accept tokens need it
+
+    @classmethod
+    def create(cls, state: RequestState, index: int, vocab: Vocabulary, max_model_len: int) -> Sequence:
+        """Choice ``index`` of ``state``: its own sampling row, grammar copy and detokenizer."""
+        request = state.request
+        room = max_model_len - state.num_prompt_tokens
+        wanted = request.stop.max_new_tokens
+        matcher = state.matcher.deep_copy() if state.matcher is not None else None
+        row = RowState(request.sampling, list(request.prompt_ids), [], make_generator(request.sampling.seed, index),
+                       request.num_top_logprobs, matcher)
+        detokenizer = IncrementalDetokenizer(vocab.tokenizer, request.stop.stop_strings)
+        return cls(state, index, row, detokenizer, max_new_tokens=room if wanted is None else min(wanted, room),
+                   vocab=vocab)
+
+    @property
+    def stop(self) -> StopConditions:
+        return self.request.request.stop
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -59,21 +99,79 @@ class Sequence:
         """The token whose KV the next decode step computes (a placeholder while prefilling)."""
         return self.output_ids[-1] if not self.is_prefilling else self.prompt_ids[self.num_cached]
 
+    def accept(self, token_id: int, logprob: float, top_logprobs: tuple[TopLogprob, ...]) -> Accepted:
+        """Append a sampled token, advance the grammar, and release the token's text; say whether the choice ends."""
+        self.output_ids.append(token_id)
+        is_eos = token_id in self.vocab.eos_token_ids and not self.stop.ignore_eos
+        matcher = self.row.matcher
+        if matcher is not None and not matcher.consume_token(token_id):
+            return Accepted(None, FinishReason.ERROR, f"the output grammar refused token {token_id}")
+        text, hit_stop_string = self._text(token_id, is_eos)
+        # a grammar that is complete allows only EOS next: end the choice as if the model had sent it
+        is_complete = is_eos or (matcher is not None and matcher.is_stopped())
+        reason = self._finish_reason(token_id, is_complete, hit_stop_string)
+        if reason is not None and reason is not FinishReason.STOP:
+            text += self.detokenizer.flush()
+        event = TokenEvent(index=self.index, token_id=token_id, text=text, logprob=logprob,
+                           top_logprobs=top_logprobs, is_special=token_id in self.vocab.special_token_ids)
+        return Accepted(event, reason)
+
+    def _text(self, token_id: int, is_eos: bool) -> tuple[str, bool]:
+        """The text a token releases (none for EOS), and whether a stop string completed."""
+        text, hit_stop_string = ("", False) if is_eos else self.detokenizer.push(token_id)
+        if token_id in self.request.request.keep_special_ids:  # the detokenizer drops special tokens' text
+            text += self.vocab.tokenizer.id_to_token(token_id) or ""
+        return text, hit_stop_string
+
+    def _finish_reason(self, token_id: int, is_end: bool, hit_stop: bool) -> FinishReason | None:
+        if is_end:
+            return FinishReason.EOS
+        if hit_stop or token_id in self.stop.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= self.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """A submitted request, shared by the engine thread and the thread that reads its events."""
+    """A submitted request, shared by the engine thread and the thread that reads its events. It waits until its
+    first sequence takes a slot."""
 
     request: GenerationRequest
     make_sequence: Callable[[RequestState, int], Sequence]
+    deadline: float = math.inf         # time.monotonic() value
+    matcher: object | None = None      # the request's compiled grammar, unadvanced; each choice advances a copy
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sequences: list[Sequence] = field(default_factory=list)
+    is_expired: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def is_waiting(self) -> bool:
+        return not self.sequences and not self.is_expired and not self.cancelled.is_set()
 
     def new_sequence(self, index: int) -> Sequence:
         sequence = self.make_sequence(self, index)
         self.sequences.append(sequence)
         return sequence
+
+    def finish_unstarted(self, reason: FinishReason, error: str | None = None,
+                         error_kind: ErrorKind | None = None) -> None:
+        """End the choices that have no sequence yet (the request never got a slot, or was not forked yet)."""
+        started = {s.index for s in self.sequences}
+        for index in range(self.n):
+            if index not in started:
+                self.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=reason, error=error,
+                                           error_kind=error_kind, num_prompt_tokens=self.num_prompt_tokens))
 
 
 class RequestHandle:
@@ -91,7 +189,7 @@ class RequestHandle:
         self._state.cancelled.set()
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        remaining = self._state.request.n
+        remaining = self._state.n
         while remaining:
             event = self._next_event()
             if event is None:
@@ -110,11 +208,11 @@ class RequestHandle:
 
     def _engine_died(self, remaining: int) -> Iterator[TokenEvent]:
         finished = {s.index for s in self._state.sequences if s.finish_reason is not None}
-        pending = [i for i in range(self._state.request.n) if i not in finished][:remaining]
+        pending = [i for i in range(self._state.n) if i not in finished][:remaining]
         for index in pending:
             yield TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
                              error="the generation engine stopped", error_kind=ErrorKind.STOPPED,
-                             num_prompt_tokens=len(self.request.prompt_ids))
+                             num_prompt_tokens=self._state.num_prompt_tokens)
 
 
 def make_generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -17,14 +17,15 @@ import torch
 
 from handler import metrics, server
 from handler.config import DEFAULT_MODEL_DIR, Settings
-from handler.engine import engine as engine_module
+from handler.engine import admission as admission_module
 from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
 from handler.engine.runner import StepOutput
 from handler.engine.scheduler import StepPlan
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions
 from handler.errors import Overloaded
-from handler.service import RequestDefaults
 from handler.prompt.renderer import PromptRenderer
+from handler.service import RequestDefaults
+from tests.integration.conftest import post
 
 WORLD, EOS = 905, 2                          # " world", "<|im_end|>" in the embedded tokenizer
 LONG = StopConditions(max_new_tokens=400, ignore_eos=True)
@@ -78,7 +79,7 @@ class GatedRunner:
 
 
 class FakeClock:
-    """``time.monotonic`` for the engine module: each reading is one second later than the one before."""
+    """``time.monotonic`` for admission control: each reading is one second later than the one before."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -142,7 +143,7 @@ def harness(tokenizer):
 @pytest.fixture()
 def fake_clock(monkeypatch) -> FakeClock:
     clock = FakeClock()
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(admission_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     return clock
 
 
@@ -241,10 +242,6 @@ def app_for(tokenizer):
         return made[-1].test_client()
 
     return make
-
-
-def post(client, path: str, body: dict, **kwargs):
-    return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
 
 
 def counter(name: str) -> float:

@@ -1,0 +1,52 @@
+"""Backpressure: how many requests may wait for a batch slot, and how long a request may take.
+
+Only the engine knows what waits, so it asks this class at ``submit``: past ``Admission.max_waiting`` requests without
+a slot, a request is refused at once (``Overloaded``, 429) rather than letting callers queue without bound. A request
+gets its deadline, ``Admission.timeout_s`` after submit, then; before each step the engine takes the requests past
+it and ends them with an error that names the limit, which frees their slots. The settings are read anew each time,
+so the engine's ``admission`` can be replaced while it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from handler.engine.backend import Admission
+from handler.engine.scheduler import Scheduler
+from handler.engine.sequence import RequestState
+from handler.errors import Overloaded
+
+
+class AdmissionControl:
+    def __init__(self, settings: Callable[[], Admission]) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._pending: list[RequestState] = []    # submitted requests that may still be waiting
+
+    def deadline(self) -> float:
+        """The ``time.monotonic()`` value by which a request submitted now must be finished."""
+        timeout = self._settings().timeout_s
+        return time.monotonic() + timeout if timeout is not None else math.inf
+
+    def enqueue(self, state: RequestState, put: Callable[[RequestState], None]) -> None:
+        """Hand ``state`` to ``put``, or raise ``Overloaded`` when ``Admission.max_waiting`` requests already wait."""
+        with self._lock:  # count and put as one, or two callers could both take the last place
+            self._pending = [s for s in self._pending if s.is_waiting]
+            limit = self._settings().max_waiting
+            if limit is not None and len(self._pending) >= limit:
+                raise Overloaded(f"the server is busy: {len(self._pending)} requests are already waiting for a batch "
+                                 "slot (option.max_queue_size); retry later")
+            self._pending.append(state)
+            put(state)
+
+    def take_overdue(self, scheduler: Scheduler) -> list[RequestState]:
+        """The requests past their deadline: waiting ones leave the scheduler's queue, running ones still hold their
+        slots (the engine ends their sequences)."""
+        now = time.monotonic()
+        return scheduler.take_expired(now) + [s for s in scheduler.running_requests() if s.deadline <= now]
+
+    def timeout_error(self) -> str:
+        return f"request timed out after {self._settings().timeout_s:g} s (option.request_timeout)"
