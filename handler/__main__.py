@@ -83,7 +83,7 @@ def run_server(settings: Settings, options: dict) -> None:
                 self.cfg.set(key, value)
 
         def load(self):
-            # finish draining a few seconds before gunicorn's own graceful timeout kills the worker
+            # finish draining (and flushing the streams ended then) before gunicorn's graceful timeout kills it
             grace_s = max(1.0, options["graceful_timeout"] - 3)
             return build_worker_app(settings, max(1, (os.cpu_count() or 1) // options["workers"]), grace_s)
 
@@ -124,6 +124,9 @@ def stop_on_load_failure(reason: str) -> None:
     os._exit(3)  # gunicorn.arbiter.Arbiter.WORKER_BOOT_ERROR
 
 
+STOPPED_MESSAGE = "the server is stopping (SIGTERM) and this request did not finish within its grace period"
+
+
 def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
     from handler.lifecycle import Drain
@@ -134,7 +137,7 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     keep_freed_memory()
     service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage,
                            on_load_failed=stop_on_load_failure)
-    drain = Drain(grace_s)
+    drain = Drain(grace_s, lambda: service.engine.stop(STOPPED_MESSAGE))
     drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
     app = create_app(service, drain.draining.is_set)

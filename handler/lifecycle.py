@@ -1,9 +1,11 @@
 """Graceful shutdown the way SageMaker needs it: SIGTERM, then SIGKILL 30 s later.
 
 On SIGTERM a worker keeps accepting connections but turns away new work: /ping answers 503 and new requests get a
-503, while the requests in flight run to completion. Once none is left (or the grace period is over), the worker
-hands the signal to gunicorn, which closes it; the master then exits 0. gunicorn alone would stop accepting at
-once, so /ping would hang instead of saying 503.
+503, while the requests in flight run to completion. Once none is left, the worker hands the signal to gunicorn,
+which closes it; the master then exits 0. gunicorn alone would stop accepting at once, so /ping would hang instead
+of saying 503. When the grace period ends with requests still running, ``on_grace_over`` ends them (the engine
+stops with a reason), and the worker waits up to ``FLUSH_S`` more for their responses to close: each stream sends
+its final error record and each request gets its log line before the worker exits.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
+FLUSH_S = 2.0  # after the grace period: time for ended streams to write their final record (the engine answers at once)
+
 
 class Drain:
     """Counts requests in flight (a WSGI middleware) and runs the SIGTERM sequence."""
 
-    def __init__(self, grace_s: float) -> None:
+    def __init__(self, grace_s: float, on_grace_over: Callable[[], None] = lambda: None) -> None:
         self.grace_s = grace_s
+        self._on_grace_over = on_grace_over
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -56,13 +61,20 @@ class Drain:
         signal.signal(signal.SIGTERM, on_term)
 
     def _finish(self, previous: object, signum: int, frame: object) -> None:
-        deadline = time.monotonic() + self.grace_s
-        while self._in_flight > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._in_flight:
-            log.warning("stopping with %d requests still in flight after %.0f s", self._in_flight, self.grace_s)
+        if not self._wait_idle(self.grace_s):
+            log.warning("ending %d requests still in flight after the %.0f s grace period", self._in_flight,
+                        self.grace_s)
+            self._on_grace_over()
+            if not self._wait_idle(FLUSH_S):
+                log.warning("stopping with %d responses still open", self._in_flight)
         if callable(previous):
             previous(signum, frame)
+
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self._in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._in_flight == 0
 
 
 class _ClosingIterable:

@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTo
 from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import intake, metrics, request_log
+from handler.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
 from handler.errors import BadRequest, EngineError, NotFound, NotReady, Overloaded, PayloadTooLarge, ServingError
 from handler.formatting import chat as chat_format
@@ -94,6 +95,7 @@ class Routes:
         self.is_draining = is_draining
         self.handlers = {"chat": self._chat, "legacy": self._legacy, "completions": self._completions}
         self.created = int(time.time())  # /v1/models' "created": when this server started
+        self.watcher = DisconnectWatcher()  # cancels the generation of a client that closed its connection
 
     # ---- routes -------------------------------------------------------------------------------------------
     def ping(self) -> Response:
@@ -230,11 +232,18 @@ class Routes:
         except Overloaded:
             metrics.record_rejection()
             raise
+        self._watch(handle)
         record = current_record()
         if not g.get("has_engine_id"):  # a legacy batch is known by its first prompt's id
             g.request_id = record.request_id = generation.request_id
             g.has_engine_id = True
         return ObservedHandle(handle, record)
+
+    def _watch(self, handle) -> None:
+        """Cancel ``handle`` as soon as the client's connection closes (not only when a write fails)."""
+        sock = request.environ.get("gunicorn.socket")  # absent under a test client
+        if sock is not None:
+            g.setdefault("watch_keys", []).append(self.watcher.watch(sock, handle.cancel))
 
     def _submit_all(self, generations) -> list[ObservedHandle]:
         handles: list[ObservedHandle] = []
@@ -289,13 +298,14 @@ class Routes:
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
         g.record = request_log.start(g.request_id, route)
 
-    @staticmethod
-    def finish_response(response: Response) -> Response:
+    def finish_response(self, response: Response) -> Response:
         """Tag the response with its id; log and count the request once the response has been sent."""
         response.headers["X-Request-Id"] = g.get("request_id") or new_request_id("req")
         record = g.get("record")
         if record is not None and record.ignored_fields:
             response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in record.ignored_fields)
+        for key in g.get("watch_keys", ()):
+            response.call_on_close(lambda key=key: self.watcher.unwatch(key))
         if record is not None and record.route not in UNLOGGED_ROUTES:
             record.schema = g.get("schema", "none")
             status = response.status_code

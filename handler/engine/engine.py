@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -70,6 +71,7 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self._stop_reason: str | None = None
         self.load_error: str | None = None
         self.admission = admission    # replaceable while running: admission control reads it each time
         self._admission = AdmissionControl(lambda: self.admission)
@@ -89,7 +91,11 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, reason: str | None = None) -> None:
+        """Stop the engine thread after its current step. With ``reason``, every request still in flight (or
+        submitted meanwhile) ends at once with an error event carrying it (``ErrorKind.STOPPED``), so each stream
+        gets its final record; without, readers learn within a second that the engine is gone."""
+        self._stop_reason = reason
         self._stopping.set()
         self._inbox.put(None)
 
@@ -161,6 +167,9 @@ class Engine:
             self._drain_inbox(block=not self._scheduler.has_work)
             batch_size = self.step() if self._scheduler.has_work else 0
             self._report(batch_size)
+        if self._stop_reason is not None:
+            self._drain_inbox(block=False)
+            self._end_all(self._stop_reason)
 
     def _cached_prefix_length(self, prompt_ids: list[int]) -> int:
         return self._loaded.runner.cached_prefix_length(prompt_ids)
@@ -300,12 +309,19 @@ class Engine:
     def _expire_overdue(self) -> None:
         """End every request past its deadline, waiting or running, with an error event naming the limit."""
         for state in self._admission.take_overdue(self._scheduler):
-            message = self._admission.timeout_error()
-            state.is_expired = True
-            for sequence in list(state.sequences):
-                if sequence.finish_reason is None:
-                    self._finish(sequence, FinishReason.ERROR, error=message, error_kind=ErrorKind.TIMEOUT)
-            state.finish_unstarted(FinishReason.ERROR, message, ErrorKind.TIMEOUT)  # not forked yet, or never admitted
+            self._end(state, self._admission.timeout_error(), ErrorKind.TIMEOUT)
+
+    def _end_all(self, message: str) -> None:
+        """End every request, waiting or running, with an error event (the engine is stopping)."""
+        for state in self._scheduler.take_expired(math.inf) + self._scheduler.running_requests():
+            self._end(state, message, ErrorKind.STOPPED)
+
+    def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:
+        state.is_expired = True
+        for sequence in list(state.sequences):
+            if sequence.finish_reason is None:
+                self._finish(sequence, FinishReason.ERROR, error=message, error_kind=kind)
+        state.finish_unstarted(FinishReason.ERROR, message, kind)  # choices not forked yet, or never admitted
 
     def _report(self, batch_size: int) -> None:
         """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from handler.engine.types import FinishReason, TokenEvent
+from handler.engine.types import ErrorKind, FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
 from handler.formatting.context import (
     OPENAI_FINISH_REASONS,
@@ -12,6 +12,7 @@ from handler.formatting.context import (
     ChoiceResult,
     FormatContext,
     best_choices,
+    failure,
     finals_of,
     fold,
     usage,
@@ -147,4 +148,6 @@ def failure_record(event: TokenEvent) -> dict | None:
     """The final error record of an OpenAI-shaped stream when ``event`` ends its choice in failure, else None."""
     if event.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT):
         return None
+    if event.error_kind is ErrorKind.STOPPED:  # SIGTERM's grace ran out: a 503's shape, the client may retry
+        return error_record(failure(event))
     return error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))

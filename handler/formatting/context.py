@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
-from handler.engine.types import FinishReason, TokenEvent
-from handler.errors import EngineError, NotReady
+from handler.engine.types import ErrorKind, FinishReason, TokenEvent
+from handler.errors import EngineError, NotReady, ServingError
 
 # OpenAI's finish reasons (chat and completions); the legacy schema has TGI's own
 OPENAI_FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -88,11 +88,22 @@ def cumulative_logprob(choice: ChoiceResult) -> float:
     return sum(e.logprob for e in choice.token_events if e.logprob is not None)
 
 
-def raise_for_failure(event: TokenEvent) -> None:
+def failure(event: TokenEvent) -> ServingError | None:
+    """The error a final event stands for (None when it ended normally): the engine stopping (SIGTERM) is a 503,
+    any other failure a 500."""
+    if event.finish_reason is FinishReason.ERROR and event.error_kind is ErrorKind.STOPPED:
+        return NotReady(event.error or "the server is stopping")
     if event.finish_reason is FinishReason.ERROR:
-        raise EngineError(f"generation failed: {event.error}")
+        return EngineError(f"generation failed: {event.error}")
     if event.finish_reason is FinishReason.ABORT:
-        raise NotReady("the request was cancelled because the server is stopping")
+        return NotReady("the request was cancelled because the server is stopping")
+    return None
+
+
+def raise_for_failure(event: TokenEvent) -> None:
+    error = failure(event)
+    if error is not None:
+        raise error
 
 
 def usage(choices_final: Iterable[TokenEvent]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -45,3 +46,87 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path):
     finally:
         stop_server(server)
         reader.join(timeout=5)
+
+
+def _read_stream(url: str, body: dict, headers: dict, sink: list) -> None:
+    with requests.post(f"{url}/invocations", json=body, headers=headers, stream=True, timeout=120) as response:
+        sink.extend(line for line in response.iter_lines() if line)
+
+
+def test_streams_still_running_when_the_grace_ends_get_a_final_record_and_a_log_line(tmp_path):
+    """SERVER_GRACEFUL_TIMEOUT=5: the drain waits 2 s, then the engine ends what still runs; each stream's last
+    record is its error record (legacy: token id -1 and finish reason error; SSE chat: an error object, then
+    [DONE]), each request is logged, and the worker still exits 0."""
+    server = start_server(tmp_path, {"SERVER_GRACEFUL_TIMEOUT": "5"})
+    legacy: list[bytes] = []
+    chat: list[bytes] = []
+    long = {"max_new_tokens": 4000, "ignore_eos": True}
+    readers = [
+        threading.Thread(target=_read_stream, args=(server.url, {"inputs": "Count:", "parameters": long,
+                                                                  "stream": True}, {}, legacy)),
+        threading.Thread(target=_read_stream, args=(server.url, {"messages": [{"role": "user", "content": "Count"}],
+                                                                  "max_tokens": 4000, "ignore_eos": True,
+                                                                  "stream": True},
+                                                    {"Accept": "text/event-stream"}, chat)),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (legacy and chat) and time.monotonic() < deadline:  # both streams run before the signal
+            time.sleep(0.05)
+        assert legacy and chat, "the streams never started"
+        server.process.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(timeout=60)
+        last = json.loads(legacy[-1])
+        assert last["token"]["id"] == -1 and last["details"]["finish_reason"] == "error"
+        assert "grace period" in last["error"]
+        assert chat[-1] == b"data: [DONE]"
+        error = json.loads(chat[-2].removeprefix(b"data: "))["error"]
+        assert error["type"] == "service_unavailable" and "grace period" in error["message"]
+        assert server.process.wait(timeout=40) == 0
+        log = server.log()
+        assert "ending 2 requests still in flight" in log
+        logged = [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"route"' in line]
+        assert sum(entry.get("route") == "/invocations" for entry in logged) >= 2, log[-3000:]
+    finally:
+        stop_server(server)
+        for reader in readers:
+            reader.join(timeout=5)
+
+
+def test_a_client_that_disconnects_frees_its_slot_without_writing(tmp_path):
+    """A non-streaming request writes nothing until its answer is ready, so only the watcher can notice its client
+    closing: the request ends aborted after a few tokens instead of generating all 4000."""
+    server = start_server(tmp_path)
+    try:
+        body = json.dumps({"inputs": "Count:", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+        sockets = []
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10)
+            sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sockets.append(sock)
+        deadline = time.monotonic() + 60
+        while _gauge(server.url, "llm_running_requests") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for sock in sockets:
+            sock.close()
+        deadline = time.monotonic() + 60  # generous; 4000 tokens each would take minutes
+        while _gauge(server.url, "llm_running_requests") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gauge(server.url, "llm_running_requests") == 0
+    finally:
+        stop_server(server)
+    logged = [json.loads(line) for line in server.log().splitlines() if line.startswith("{") and '"route"' in line]
+    aborted = [entry for entry in logged if entry.get("route") == "/invocations"]
+    assert len(aborted) == 3, server.log()[-3000:]
+    assert all(entry["completion_tokens"] < 4000 for entry in aborted), aborted
+
+
+def _gauge(url: str, name: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

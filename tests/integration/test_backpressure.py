@@ -202,6 +202,20 @@ def test_running_request_past_its_deadline_frees_its_slot(harness, fake_clock) -
         is FinishReason.LENGTH
 
 
+# ---- stopping ---------------------------------------------------------------------------------------------
+
+def test_stop_with_a_reason_ends_running_and_waiting_requests_with_a_final_event(harness) -> None:
+    h = harness(Admission(), max_running=2)
+    running = h.hold_after_admitting(generation("a"))
+    waiting = h.engine.submit(generation("b", n=2))  # waits: a holds one of the two slots
+    h.engine.stop("the server is stopping")
+    h.runner.open_gate()
+    for handle, n in ((running, 1), (waiting, 2)):
+        ends = finals(handle)
+        assert [(e.finish_reason, e.error_kind, e.error) for e in ends] == \
+            [(FinishReason.ERROR, ErrorKind.STOPPED, "the server is stopping")] * n
+
+
 # ---- stats --------------------------------------------------------------------------------------------------
 
 def test_stats_report_running_waiting_and_settle_at_zero(harness) -> None:
