@@ -85,7 +85,7 @@ class Settings(BaseModel):
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.
     max_queue_size: int = Field(64, ge=1)
-    request_timeout: float = Field(60.0, gt=0)              # seconds from submit to the last token, waiting included
+    request_timeout: float = Field(60.0, gt=0)              # seconds from arrival to the last token, all included
     log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
     log_prompts: bool = False                               # put the prompt in each request's log line
     entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module
@@ -96,6 +96,12 @@ class Settings(BaseModel):
     workers: int = Field(1, ge=1)
     threads: int = Field(128, ge=1)
     graceful_timeout: int = Field(25, ge=1)                 # seconds after SIGTERM; SageMaker kills at 30
+    # Slow or idle clients (handler/worker.py): a request's line, headers and body must all arrive within this
+    # many seconds of its first byte (a new connection: of its accept), else 408 and the connection closes. Well
+    # under SageMaker's 60 s. Open connections per worker (gunicorn's worker_connections): past it the worker
+    # stops accepting until one closes.
+    request_read_timeout: float = Field(15.0, gt=0)
+    max_connections: int = Field(1000, ge=1)
     # Tool calls: the format the model writes them in (vLLM's --tool-call-parser); auto: detected from the template
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     # Images in chat requests (vision models): URL fetching and its limits; data: URIs and base64 always work
@@ -105,6 +111,12 @@ class Settings(BaseModel):
     image_max_bytes: int = Field(20 * 1024 * 1024, ge=1)    # encoded size, enforced while downloading
     image_max_pixels: int = Field(40_000_000, ge=1)         # width x height, checked before decoding
     max_images_per_request: int = Field(8, ge=1)
+    # A request's images together, and what one worker lets all requests' images take at once (issue #17)
+    image_fetch_budget: float = Field(30.0, gt=0)           # seconds for all of a request's URL fetches
+    image_fetch_concurrency: int = Field(16, ge=1)          # URL fetches in flight in one worker
+    image_max_total_pixels: int = Field(64_000_000, ge=1)   # a request's images together, from their headers
+    image_memory_budget: int = Field(2 << 30, ge=1)         # bytes (estimated) of decoded images in one worker
+    image_wait_timeout: float = Field(2.0, ge=0)            # seconds to wait for a fetch slot or image memory: 429
 
     @field_validator("image_fetch_allowed_hosts", mode="before")
     @classmethod

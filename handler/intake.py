@@ -4,9 +4,15 @@ Each schema's parsed request is checked across its fields, its prompts rendered 
 (tokenizer, chat template, tool-call dialect; for a vision model its images are fetched, decoded and run through
 the vision tower here, on the request's thread), then converted into ``GenerationRequest``s. This module is where
 the two meet, so the work a request costs before it reaches the engine is visible in one place.
+
+Each request is stamped with the time it got here (``arrived_at``): its ``option.request_timeout`` counts from then,
+so the time spent rendering, fetching and encoding images is part of it.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import time
 
 from handler.engine.types import GenerationRequest
 from handler.errors import Unprocessable
@@ -18,28 +24,35 @@ from handler.protocol.legacy import LegacyRequest
 
 def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer,
                  default_temperature: float) -> GenerationRequest:
+    arrived_at = time.monotonic()
     parsed.check()
     plan = parsed.output_plan(renderer)
     messages, images = parsed.prompt_messages()
     prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images)
-    return parsed.to_generation_request(prompt, plan, default_temperature)
+    return dataclasses.replace(parsed.to_generation_request(prompt, plan, default_temperature), arrived_at=arrived_at)
 
 
 def legacy_requests(parsed: LegacyRequest, renderer: PromptRenderer,
                     default_max_new_tokens: int) -> list[GenerationRequest]:
     """Each input tokenised as it is, with the tokenizer's own special tokens (TGI, LMI)."""
+    arrived_at = time.monotonic()
     parsed.check()
     prompt_ids = [renderer.encode(prompt, add_special_tokens=True) for prompt in parsed.prompts]
-    return parsed.to_generation_requests(prompt_ids, default_max_new_tokens)
+    return _arrived(parsed.to_generation_requests(prompt_ids, default_max_new_tokens), arrived_at)
 
 
 def completion_requests(parsed: CompletionRequest, renderer: PromptRenderer,
                         default_temperature: float) -> list[GenerationRequest]:
     """``use_raw_prompt`` absent or true: each prompt tokenised as it is; false (Databricks): sent as one user
     message through the chat template."""
+    arrived_at = time.monotonic()
     parsed.check()
     prompt_ids = [_completion_prompt(parsed, renderer, prompt) for prompt in parsed.prompts]
-    return parsed.to_generation_requests(prompt_ids, default_temperature)
+    return _arrived(parsed.to_generation_requests(prompt_ids, default_temperature), arrived_at)
+
+
+def _arrived(generations: list[GenerationRequest], arrived_at: float) -> list[GenerationRequest]:
+    return [dataclasses.replace(generation, arrived_at=arrived_at) for generation in generations]
 
 
 def _completion_prompt(parsed: CompletionRequest, renderer: PromptRenderer, prompt: str) -> list[int]:

@@ -61,6 +61,12 @@ REQUEST_TIMEOUTS = Counter("llm_request_timeouts_total",
                            "Requests ended by the engine after option.request_timeout seconds.")
 IMAGE_FETCH_FAILURES = Counter("llm_image_fetch_failures_total", "Image URLs that could not be fetched, by reason.",
                                ["reason"])
+IMAGE_WAITS = Counter("llm_image_waits_total",
+                      "Requests that waited for an image fetch slot (option.image_fetch_concurrency) or for image "
+                      "memory (option.image_memory_budget), by resource.", ["resource"])
+IMAGE_REJECTIONS = Counter("llm_image_rejections_total",
+                           "Requests refused by an image budget: fetch_concurrency and memory_budget (429), "
+                           "total_pixels (400).", ["reason"])
 ENGINE_PATH = Gauge("llm_engine_path_info", "1 for the engine path serving the model (lean or transformers) and why.",
                     ["path", "reason"], multiprocess_mode="livemax")
 
@@ -110,6 +116,16 @@ def record_image_fetch_failure(reason: str) -> None:
     """For the image fetcher: ``reason`` is a short fixed word (``timeout``, ``too_large``, ``blocked_address``...),
     never the URL, so the label set stays small."""
     IMAGE_FETCH_FAILURES.labels(reason=reason).inc()
+
+
+def record_image_wait(resource: str) -> None:
+    """``resource``: ``fetch_slot`` or ``memory``."""
+    IMAGE_WAITS.labels(resource=resource).inc()
+
+
+def record_image_rejection(reason: str) -> None:
+    """``reason``: ``fetch_concurrency``, ``memory_budget`` or ``total_pixels``."""
+    IMAGE_REJECTIONS.labels(reason=reason).inc()
 
 
 def render() -> bytes:

@@ -2,9 +2,11 @@
 
 Only the engine knows what waits, so it asks this class at ``submit``: past ``Admission.max_waiting`` requests without
 a slot, a request is refused at once (``Overloaded``, 429) rather than letting callers queue without bound. A request
-gets its deadline, ``Admission.timeout_s`` after submit, then; before each step the engine takes the requests past
-it and ends them with an error that names the limit, which frees their slots. The settings are read anew each time,
-so the engine's ``admission`` can be replaced while it runs.
+gets its deadline then: ``Admission.timeout_s`` after it arrived (``GenerationRequest.arrived_at``: the time spent
+rendering its prompt, fetching and encoding its images, counts), or after submit when it carries no arrival time.
+Before each step the engine takes the requests past it and ends them with an error that names the limit, which
+frees their slots. The settings are read anew each time, so the engine's ``admission`` can be replaced while it
+runs.
 """
 
 from __future__ import annotations
@@ -26,13 +28,18 @@ class AdmissionControl:
         self._lock = threading.Lock()
         self._pending: list[RequestState] = []    # submitted requests that may still be waiting
 
-    def deadline(self) -> float:
-        """The ``time.monotonic()`` value by which a request submitted now must be finished."""
+    def deadline(self, arrived_at: float | None = None) -> float:
+        """The ``time.monotonic()`` value by which a request that arrived at ``arrived_at`` (None: now) must be
+        finished."""
         timeout = self._settings().timeout_s
-        return time.monotonic() + timeout if timeout is not None else math.inf
+        start = time.monotonic() if arrived_at is None else arrived_at
+        return start + timeout if timeout is not None else math.inf
 
     def enqueue(self, state: RequestState, put: Callable[[RequestState], None]) -> None:
-        """Hand ``state`` to ``put``, or raise ``Overloaded`` when ``Admission.max_waiting`` requests already wait."""
+        """Hand ``state`` to ``put``, or raise ``Overloaded`` when ``Admission.max_waiting`` requests already wait. A
+        request that carries its arrival time gets its deadline counted from then."""
+        if state.request.arrived_at is not None:
+            state.deadline = self.deadline(state.request.arrived_at)
         with self._lock:  # count and put as one, or two callers could both take the last place
             self._pending = [s for s in self._pending if s.is_waiting]
             limit = self._settings().max_waiting

@@ -109,6 +109,9 @@ class GenerationRequest:
     prompt_embeds: PromptEmbeds | None = None
     keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
     prompt_param: str = "prompt"        # the request field the prompt came from, named by errors about it
+    # time.monotonic() when the request arrived (before its prompt was rendered: image fetches included); its
+    # deadline counts from here. None: from submit
+    arrived_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,34 +40,67 @@ class DecodeLimits:
 
 def load_image(ref: str, policy: FetchPolicy, limits: DecodeLimits, *, param: str) -> Image.Image:
     """The RGB image ``ref`` (URL, data URI or bare base64) refers to; every failure is a 400 naming ``param``."""
+    data = inline_bytes(ref, limits, param=param)
+    if data is None:
+        data = fetch_image_bytes(ref.strip(), fetch_policy(policy, limits), param=param)
+    return decode_image_bytes(data, limits, param=param)
+
+
+def fetch_policy(policy: FetchPolicy, limits: DecodeLimits) -> FetchPolicy:
+    """``policy`` with its byte cap no larger than the decoder's."""
+    return dataclasses.replace(policy, max_bytes=min(policy.max_bytes, limits.max_bytes))
+
+
+def inline_bytes(ref: str, limits: DecodeLimits, *, param: str) -> bytes | None:
+    """The bytes of a data: URI or bare base64 ``ref``; None for an http(s) URL (the caller fetches it). Any other
+    reference is a 400 naming ``param``."""
     if not isinstance(ref, str) or not ref.strip():
         raise BadRequest(f"{param} must be an image URL, a data: URI or base64 data", param=param)
     text = ref.strip()
     match = _SCHEME.match(text)
     scheme = match.group(1).lower() if match else None
     if scheme in ("http", "https"):
-        capped = dataclasses.replace(policy, max_bytes=min(policy.max_bytes, limits.max_bytes))
-        data = fetch_image_bytes(text, capped, param=param)
-    elif scheme == "data":
-        data = _decode_base64(_data_uri_payload(text, param), limits, param)
-    elif scheme is not None:
+        return None
+    if scheme == "data":
+        return _decode_base64(_data_uri_payload(text, param), limits, param)
+    if scheme is not None:
         raise BadRequest(
             f"{param}: '{scheme}:' references are not supported; use an http(s) URL, a data: URI or base64 data",
             param=param,
         )
-    else:
-        data = _decode_base64(text, limits, param)
-    return decode_image_bytes(data, limits, param=param)
+    return _decode_base64(text, limits, param)
 
 
-def decode_image_bytes(data: bytes, limits: DecodeLimits, *, param: str) -> Image.Image:
-    """Decode ``data`` (format sniffed) to RGB: first frame, EXIF orientation applied, alpha over white."""
+def image_size(data: bytes, limits: DecodeLimits, *, param: str) -> tuple[int, int]:
+    """``(width, height)`` from the header alone (nothing is decoded), after the same checks as decoding: size,
+    format, ``limits.max_pixels``. What a request's images will take is known before any of them is decoded."""
+    _check_bytes(data, limits, param)
+    with warnings.catch_warnings():  # as in decode_image_bytes
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=_FORMATS) as img:
+                _check_pixels(img, limits, param)
+                return img.size
+        except BadRequest:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise BadRequest(f"image in {param} has too many pixels: {exc}", param=param) from exc
+        except Exception as exc:  # Pillow raises many types on hostile input: OSError, ValueError, SyntaxError...
+            raise BadRequest(f"{param} is not a decodable image: {exc}", param=param) from exc
+
+
+def _check_bytes(data: bytes, limits: DecodeLimits, param: str) -> None:
     if len(data) > limits.max_bytes:
         raise BadRequest(
             f"image in {param} is {len(data)} bytes, over the limit of {limits.max_bytes} bytes", param=param
         )
     if not data:
         raise BadRequest(f"image in {param} is empty", param=param)
+
+
+def decode_image_bytes(data: bytes, limits: DecodeLimits, *, param: str) -> Image.Image:
+    """Decode ``data`` (format sniffed) to RGB: first frame, EXIF orientation applied, alpha over white."""
+    _check_bytes(data, limits, param)
     # catch_warnings is process-wide, not per thread; the header check in _open does not depend on it.
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -16,7 +16,8 @@ So, for every hop (the first URL and each redirect):
 3. the connection goes to exactly the address that was checked: a second lookup could be answered differently
    (DNS rebinding). The request still carries the URL's ``Host`` header, and https still sends SNI and verifies
    the certificate against the URL's host name;
-4. redirects, time (per operation and overall) and bytes (while streaming) are capped.
+4. redirects, time (per operation and overall) and bytes (while streaming) are capped; a caller's ``Deadline`` (the
+   request's budget for all its fetches, ``handler.images.loader``) bounds every connect and read as well.
 
 Every refusal is a ``BadRequest`` naming the URL's host and the rule it broke; a URL refused by a rule or that
 could not be read is an ``ImageFetchError``, whose ``reason`` says which kind (the metric label, the error code).
@@ -52,6 +53,7 @@ class FetchFailure(enum.Enum):
     TIMEOUT = "timeout"
     CONNECTION = "connection"
     TOO_LARGE = "too_large"
+    BUDGET = "fetch_budget"  # the request's time for all its image fetches ran out (option.image_fetch_budget)
 
 
 class ImageFetchError(BadRequest):
@@ -109,27 +111,54 @@ class _Target:
     addresses: tuple[AddrInfo, ...]
 
 
-class _Clock:
-    """Per-operation timeout bounded by the deadline of the whole fetch."""
+class _BudgetSpent(TimeoutError):
+    """The caller's deadline (the request's fetch budget), not this fetch's own limit, ran out."""
 
-    def __init__(self, policy: FetchPolicy) -> None:
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A ``time.monotonic()`` value a fetch must end by, and what to call it in the error (the setting)."""
+
+    at: float
+    name: str = "the request's image fetch budget"
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+class _Clock:
+    """Per-operation timeout bounded by the deadline of the whole fetch and by the caller's ``Deadline``."""
+
+    def __init__(self, policy: FetchPolicy, budget: Deadline | None = None) -> None:
         self.timeout_s = policy.timeout_s
         self.total_s = policy.total_timeout_s
         self.deadline = time.monotonic() + policy.total_timeout_s
+        self.budget = budget
+        self._bound = "operation"  # which limit set the last timeout: operation, total or budget
 
-    def check(self) -> None:
-        """Raise the overall-limit error if the deadline has passed."""
-        if time.monotonic() >= self.deadline:
+    def check(self, *, timed_out: bool = False) -> None:
+        """Raise the overall-limit error if the fetch's deadline or the caller's has passed; after a socket timeout
+        (``timed_out``), also when that timeout was the one either deadline set (a wake-up can come a hair early)."""
+        now = time.monotonic()
+        if self.budget is not None and (now >= self.budget.at or (timed_out and self._bound == "budget")):
+            raise _BudgetSpent(f"{self.budget.name} ran out")
+        if now >= self.deadline or (timed_out and self._bound == "total"):
             raise TimeoutError(f"total time limit of {self.total_s:g}s exceeded")
 
     def next_timeout(self) -> float:
         self.check()
-        return min(self.timeout_s, self.deadline - time.monotonic())
+        now = time.monotonic()
+        bounds = [(self.timeout_s, "operation"), (self.deadline - now, "total")]
+        if self.budget is not None:
+            bounds.append((self.budget.at - now, "budget"))
+        timeout, self._bound = min(bounds, key=lambda bound: bound[0])
+        return max(timeout, 1e-3)  # a deadline reached since check() ends at the next timeout, not in settimeout
 
 
-def fetch_image_bytes(url: str, policy: FetchPolicy, *, param: str = "url") -> bytes:
-    """The body of ``url`` after the checks above, following at most ``policy.max_redirects`` redirects."""
-    clock = _Clock(policy)
+def fetch_image_bytes(url: str, policy: FetchPolicy, *, param: str = "url", deadline: Deadline | None = None) -> bytes:
+    """The body of ``url`` after the checks above, following at most ``policy.max_redirects`` redirects; every
+    connect and read ends by ``deadline`` too (the request's budget for all its fetches), when one is given."""
+    clock = _Clock(policy, deadline)
     url = url.strip() if isinstance(url, str) else url
     for _ in range(policy.max_redirects + 1):
         target = _check_url(url, policy, param)
@@ -365,7 +394,7 @@ class _DeadlineReader(io.RawIOBase):
         try:
             return self._raw.readinto(buffer)
         except TimeoutError:
-            self._clock.check()  # say so when it was the overall limit that ran out
+            self._clock.check(timed_out=True)  # say so when it was an overall limit that ran out
             raise
 
     def close(self) -> None:
@@ -414,7 +443,7 @@ def _open_socket(addresses: tuple[AddrInfo, ...], clock: _Clock) -> socket.socke
             connected = True
             return sock
         except TimeoutError as exc:
-            clock.check()  # the overall limit, if that is what ran out, ends the attempts
+            clock.check(timed_out=True)  # an overall limit, if that is what ran out, ends the attempts
             last_error = exc
         except OSError as exc:
             last_error = exc
@@ -443,6 +472,8 @@ def _fetch_one(target: _Target, policy: FetchPolicy, clock: _Clock, param: str) 
             return None, _read_body(resp, policy, target.host, param)
     except (OSError, http.client.HTTPException) as exc:
         reason = FetchFailure.TIMEOUT if isinstance(exc, TimeoutError) else FetchFailure.CONNECTION
+        if isinstance(exc, _BudgetSpent):
+            reason = FetchFailure.BUDGET
         raise ImageFetchError(
             f"could not fetch image from host '{target.host}': {_describe(exc)}", param=param, reason=reason
         ) from exc

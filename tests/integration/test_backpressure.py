@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler import metrics, server
+from handler import intake, metrics, server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine import admission as admission_module
 from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
@@ -144,6 +144,8 @@ def harness(tokenizer):
 def fake_clock(monkeypatch) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(admission_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    # a chat request's deadline counts from its arrival, which intake stamps: the same clock
+    monkeypatch.setattr(intake, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     return clock
 
 

@@ -32,7 +32,7 @@ class FakeEncoder:
         self.calls: list[tuple[list[dict], list, bool]] = []
 
     def encode(self, messages, images, *, low_detail=False):
-        self.calls.append((messages, images, low_detail))
+        self.calls.append((messages, list(images), low_detail))  # the loader drops its images after the encode
         ids = [5, 6] + [9, 9] * len(images) + [7]
         positions = [i for i, t in enumerate(ids) if t == 9]
         return MultimodalPrompt(ids, positions, torch.zeros(len(positions), 4))
@@ -44,6 +44,12 @@ class FakeTokenizer:
 
     def convert_tokens_to_ids(self, text: str) -> None:
         return None
+
+
+def load_one(loader, ref: ImageRef):
+    """One image through the worker's loader (the budgets and caps of a whole request apply)."""
+    with loader.load([ref]) as images:
+        return images[0]
 
 
 def renderer(settings: Settings | None = None) -> tuple[VisionRenderer, FakeEncoder]:
@@ -101,9 +107,9 @@ def test_fetching_disabled_refuses_urls_but_not_data(monkeypatch: pytest.MonkeyP
     attempts = refuse_connections(monkeypatch)
     load = image_loader(Settings(image_fetch_enabled=False))
     with pytest.raises(BadRequest) as error:
-        load(ImageRef("http://127.0.0.1:9/x.png", "messages[0].content[1]"))
+        load_one(load, ImageRef("http://127.0.0.1:9/x.png", "messages[0].content[1]"))
     assert "disabled" in error.value.message and error.value.code == "fetch_disabled"
-    assert load(ImageRef(png_uri(), "p")).size == (4, 4)
+    assert load_one(load, ImageRef(png_uri(), "p")).size == (4, 4)
     assert attempts == []
 
 
@@ -111,8 +117,9 @@ def test_allowed_hosts_come_from_the_settings(monkeypatch: pytest.MonkeyPatch) -
     """Without the allow-list a loopback URL is refused before any connection; with it the fetch is attempted."""
     attempts = refuse_connections(monkeypatch)
     with pytest.raises(BadRequest) as error:
-        image_loader(Settings())(ImageRef("http://127.0.0.1:9/x.png", "p"))
+        load_one(image_loader(Settings()), ImageRef("http://127.0.0.1:9/x.png", "p"))
     assert error.value.code == "blocked_address" and attempts == []
     with pytest.raises((AssertionError, BadRequest)):
-        image_loader(Settings(image_fetch_allowed_hosts="127.0.0.1"))(ImageRef("http://127.0.0.1:9/x.png", "p"))
+        allowed = image_loader(Settings(image_fetch_allowed_hosts="127.0.0.1"))
+        load_one(allowed, ImageRef("http://127.0.0.1:9/x.png", "p"))
     assert attempts
