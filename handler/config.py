@@ -89,6 +89,9 @@ class Settings(BaseModel):
     log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
     log_prompts: bool = False                               # put the prompt in each request's log line
     entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module
+    # With a handler (model.py or entryPoint): whether the built-in engine loads too. auto: when the handler imports
+    # builtin_handle; false: never (the handler runs its own model: any architecture, no config.json needed)
+    builtin_engine: Literal["auto", "true", "false"] = "auto"
     # The process (gunicorn): SageMaker's names above. One worker: one process already uses every core through
     # torch, and each worker holds a copy of the model. Threads: requests one worker holds open at once.
     host: str = "0.0.0.0"
@@ -211,7 +214,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     for name, alias in ENV_NAMES.items():  # they only fill what ours leave unset
         if name in environ and alias not in raw:
             raw[alias], named_by[alias] = environ[name], name
-    if not raw.get("model_id") and (model_root / "config.json").is_file():
+    if not raw.get("model_id") and holds_model(model_root):
         raw["model_id"] = str(model_root)
     try:
         settings = Settings(**raw)
@@ -225,6 +228,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     return settings
 
 
+def holds_model(folder: Path) -> bool:
+    """A model folder: a checkpoint (config.json), or a handler (model.py) that may serve without one."""
+    return (folder / "config.json").is_file() or (folder / "model.py").is_file()
+
+
 def check_model_dir(settings: Settings) -> None:
     model_id, folder = settings.model_id, settings.model_dir
     if model_id and not folder.exists():
@@ -233,6 +241,7 @@ def check_model_dir(settings: Settings) -> None:
                               "download models at run time: put the model in /opt/ml/model or point "
                               "option.model_id (or HF_MODEL_ID) at a folder")
         raise ConfigError(f"option.model_id={model_id!r}: no such folder")
-    if not (folder / "config.json").is_file():
+    has_handler = settings.entryPoint is not None or (folder / "model.py").is_file()
+    if not (folder / "config.json").is_file() and not (has_handler and settings.builtin_engine != "true"):
         hint = " (run `make model` to assemble the embedded default)" if folder == DEFAULT_MODEL_DIR else ""
         raise ConfigError(f"option.model_id: {folder} holds no model (config.json is missing){hint}")

@@ -7,6 +7,10 @@ once at start before /ping answers 200. ``builtin_handle(inputs)`` runs the buil
 streaming included), so a user handler can wrap it. Errors inside the user's handler become a 500 naming the
 handler; the worker keeps serving.
 
+The built-in engine loads only when the handler asks for it: when its module imports ``builtin_handle`` (or the
+``handler.djl`` module), or when ``option.builtin_engine=true``. A handler that runs its own model starts without
+loading anything of ours, so it can serve any architecture, or a folder with no ``config.json`` at all.
+
     from handler.djl import Input, Output, builtin_handle
 
     def handle(inputs: Input) -> Output | None:
@@ -152,6 +156,13 @@ def load_module(entry_point: str) -> ModuleType:
     return importlib.import_module(entry_point)
 
 
+def calls_builtin(module: ModuleType) -> bool:
+    """Whether the handler's module can reach ``builtin_handle``: it imported the function, or this module (also
+    as ``import handler.djl``)."""
+    reachable = (builtin_handle, sys.modules[__name__], sys.modules["handler"])
+    return any(any(value is r for r in reachable) for value in vars(module).values())
+
+
 class UserHandler:
     """The user's ``handle``, initialised once, called per request."""
 
@@ -161,6 +172,7 @@ class UserHandler:
         handle = getattr(module, "handle", None)
         if not callable(handle):
             raise AttributeError(f"{entry_point} has no handle(inputs) function")
+        self.calls_builtin = calls_builtin(module)
         self._handle = handle
         self._properties = properties
         self._initialised = threading.Event()

@@ -214,6 +214,8 @@ class Routes:
         return card if engine_path is None else {**card, "engine_path": engine_path}
 
     def _renderer(self):
+        if not self.service.serves_builtin:  # a user's model.py serves without the built-in engine
+            raise NotFound(self.service.engine.reason, code="not_found")
         if self.is_draining():
             raise NotReady("the server is stopping")
         if self.service.renderer is None or not self.service.engine.is_ready:

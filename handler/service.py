@@ -15,7 +15,7 @@ from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
 from handler.engine.backend import Admission, EngineBackend, EngineLimits
 from handler.engine.engine import Engine, LoadedModel
-from handler.errors import ConfigError
+from handler.errors import ConfigError, NotFound
 from handler.preflight import context_length
 from handler.prompt.renderer import PromptRenderer
 from handler.prompt.vision import VisionRenderer, image_loader
@@ -77,6 +77,43 @@ def create_backend(settings: Settings, load: Callable[[], LoadedModel], on_ready
     return Engine(load, engine_limits(settings), admission, metrics.record_step, on_ready, on_failed)
 
 
+class HandlerOnly:
+    """The backend when a user's ``model.py`` runs its own model and does not ask for ours: nothing loads, and the
+    built-in routes are refused with the reason (``server`` does not register them; ``submit`` says it too)."""
+
+    limits = None
+    load_error: str | None = None
+    is_ready = True
+    is_alive = True
+
+    def __init__(self, handler_name: str) -> None:
+        self.reason = (f"the built-in engine is not loaded: {handler_name} serves this model on /invocations "
+                       "(option.builtin_engine=true loads it, as does importing builtin_handle in the handler)")
+
+    def start(self) -> None:
+        log.info("%s", self.reason)
+
+    def stop(self, reason: str | None = None) -> None:
+        return None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    def submit(self, request):
+        raise NotFound(self.reason)
+
+
+def serves_builtin(settings: Settings, user_handler: UserHandler | None) -> bool:
+    """Whether the built-in engine loads: always without a user handler; with one, when the handler can call
+    ``builtin_handle`` or ``option.builtin_engine=true`` says so (LMI loads only what the handler loads)."""
+    wanted = user_handler is None or settings.builtin_engine == "true" or (
+        settings.builtin_engine == "auto" and user_handler.calls_builtin)
+    if wanted and not (settings.model_dir / "config.json").is_file():
+        raise ConfigError(f"{user_handler.name} calls builtin_handle, and the built-in engine needs a checkpoint: "
+                          f"{settings.model_dir} has no config.json (or set option.builtin_engine=false)")
+    return wanted
+
+
 class ModelService:
     """The engine, and the prompt renderer the protocol layer uses; both ready once the model has loaded."""
 
@@ -87,13 +124,17 @@ class ModelService:
         self.model_name = settings.model_dir.name
         self.renderer: PromptRenderer | None = None
         self.engine_path: str | None = None  # "lean" or "transformers" once loaded
-        self.engine = create_backend(settings, self._load, on_loaded, on_load_failed)
         self._num_threads = num_threads
         entry_point = find_entry_point(settings.model_dir, settings.entryPoint)
         self.handler_properties = {k: str(v) for k, v in settings.model_dump().items() if v is not None}
         self.handler_properties["model_dir"] = str(settings.model_dir)
         self.user_handler = UserHandler(entry_point, self.handler_properties) if entry_point else None
         self.handler_error: str | None = None
+        self.serves_builtin = serves_builtin(settings, self.user_handler)
+        if self.serves_builtin:
+            self.engine: EngineBackend | HandlerOnly = create_backend(settings, self._load, on_loaded, on_load_failed)
+        else:
+            self.engine = HandlerOnly(self.user_handler.name)
         self.defaults = request_defaults(settings)
 
     def start(self) -> None:

@@ -84,3 +84,53 @@ def test_user_handler_failure_is_a_500_naming_the_handler_and_the_worker_keeps_s
     ok = requests.post(f"{custom.url}/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
                        timeout=60)
     assert ok.status_code == 200
+
+
+OWN_MODEL_PY = textwrap.dedent('''
+    from handler.djl import Input, Output
+
+    state = {}
+
+    def handle(inputs: Input):
+        if inputs.is_empty():
+            state["model"] = "reverser"      # stands for a model of an architecture this server does not know
+            return None
+        text = inputs.get_as_json()["inputs"]
+        return Output().add_as_json({"generated_text": text[::-1], "model": state["model"]})
+''')
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory):
+    """A handler that runs its own model: a folder with model.py and a config.json of an architecture nothing here
+    implements; the built-in engine is not loaded (the handler never imports builtin_handle)."""
+    model_dir = tmp_path_factory.mktemp("own-model")
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    (model_dir / "model.py").write_text(OWN_MODEL_PY)
+    server = start_server(Path(tmp_path_factory.mktemp("own-server")), {"HF_MODEL_ID": str(model_dir)})
+    yield server
+    stop_server(server)
+
+
+def test_a_handler_with_its_own_model_serves_any_architecture_without_the_builtin_engine(own_model):
+    assert requests.get(f"{own_model.url}/ping", timeout=5).status_code == 200
+    response = requests.post(f"{own_model.url}/invocations", json={"inputs": "abc"}, timeout=30)
+    assert response.status_code == 200
+    assert response.json() == {"generated_text": "cba", "model": "reverser"}
+    refused = requests.post(f"{own_model.url}/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert refused.status_code == 404
+    assert "option.builtin_engine" in refused.json()["error"]["message"]
+    log = own_model.log()
+    assert "the built-in engine is not loaded" in log and "loaded own-model" not in log
+
+
+def test_a_handler_folder_needs_no_config_json(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.py").write_text(OWN_MODEL_PY)
+    server = start_server(tmp_path, {"HF_MODEL_ID": str(tmp_path / "model")})
+    try:
+        response = requests.post(f"{server.url}/invocations", json={"inputs": "xy"}, timeout=30)
+        assert response.json()["generated_text"] == "yx"
+    finally:
+        stop_server(server)

@@ -252,6 +252,7 @@ def app_for(tokenizer):
 
     def make(h: Harness, settings: Settings):
         service = types.SimpleNamespace(settings=settings, model_name="m", defaults=RequestDefaults(0.0, 256),
+                                        serves_builtin=True,
                                         renderer=PromptRenderer(tokenizer), engine=h.engine, user_handler=None,
                                         is_ready=True, load_error=None)
         made.append(server.create_app(service))

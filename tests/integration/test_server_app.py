@@ -89,6 +89,7 @@ class FakeService(types.SimpleNamespace):
     """What create_app reads from ModelService, around a scripted engine."""
 
     engine_path = "lean"
+    serves_builtin = True
 
     @property
     def is_ready(self) -> bool:

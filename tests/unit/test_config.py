@@ -280,3 +280,13 @@ def test_model_server_timeout_is_the_request_timeout(env: dict[str, str], timeou
 def test_a_bad_environment_value_names_the_variable(env: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match=r"SAGEMAKER_BIND_TO_PORT \(option.port\)='abc'"):
         load_settings({**env, "SAGEMAKER_BIND_TO_PORT": "abc"})
+
+
+def test_a_handler_folder_without_config_json_is_a_model_unless_the_builtin_engine_is_asked_for(
+        env: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "handler-only"
+    folder.mkdir()
+    (folder / "model.py").write_text("def handle(inputs):\n    return None\n")
+    assert load_settings({**env, "HF_MODEL_ID": str(folder)}).model_dir == folder
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        load_settings({**env, "HF_MODEL_ID": str(folder), "OPTION_BUILTIN_ENGINE": "true"})
