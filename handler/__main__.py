@@ -29,13 +29,16 @@ from handler.config import Settings, load_settings
 from handler.djl import find_entry_point
 from handler.errors import ConfigError
 from handler.preflight import preflight
+from handler.worker import DeadlineWorker
 
 
 def gunicorn_options(settings: Settings) -> dict:
     return {
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.workers,
-        "worker_class": "gthread",
+        # gthread, reading each request on its event loop under option.request_read_timeout (handler/worker.py)
+        "worker_class": DeadlineWorker.configure(settings.request_read_timeout),
+        "worker_connections": settings.max_connections,
         "threads": settings.threads,
         "timeout": settings.worker_timeout,
         "graceful_timeout": settings.graceful_timeout,

@@ -53,6 +53,13 @@ class PayloadTooLarge(ServingError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeout(ServingError):
+    """408: the request (line, headers, body) did not arrive within ``option.request_read_timeout``."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+
+
 class Overloaded(ServingError):
     """429: the wait queue is full; the client should retry later."""
 

@@ -19,13 +19,23 @@ from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import quote
 
 from flask import Flask, Response, g, request
+from gunicorn.http.errors import ParseException
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import intake, metrics, request_log
 from handler.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
-from handler.errors import BadRequest, EngineError, NotFound, NotReady, Overloaded, PayloadTooLarge, ServingError
+from handler.errors import (
+    BadRequest,
+    EngineError,
+    NotFound,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServingError,
+)
 from handler.formatting import chat as chat_format
 from handler.formatting import completions as completions_format
 from handler.formatting import legacy as legacy_format
@@ -323,9 +333,7 @@ def current_record() -> request_log.RequestRecord:
 
 
 def read_json() -> dict:
-    if request.content_length and request.content_length > MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
-    raw = request.get_data(cache=False)
+    raw = read_body()
     try:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
@@ -339,6 +347,36 @@ def read_json() -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def read_body() -> bytes:
+    """The body, up to ``MAX_BODY_BYTES`` (413 past it, chunked or not); 400 for broken chunked framing, 408 when
+    it does not arrive within ``option.request_read_timeout``."""
+    if request.content_length and request.content_length > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
+    # gunicorn's wsgi.input ends where the body ends (Content-Length or chunked); werkzeug's wrapper would stop
+    # silently at MAX_CONTENT_LENGTH. Read one byte past the limit, never more: a longer body is a 413.
+    environ = request.environ
+    stream = environ["wsgi.input"] if environ.get("wsgi.input_terminated") else request.stream
+    parts, size = [], 0
+    try:
+        while size <= MAX_BODY_BYTES:
+            part = stream.read(MAX_BODY_BYTES + 1 - size)
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+    except TimeoutError as error:  # the worker's deadline for the whole request (option.request_read_timeout)
+        message = str(error) or "the request body did not arrive in time"
+        raise RequestTimeout(message, code="request_timeout") from None
+    except ParseException as error:  # gunicorn: a malformed chunk size, extension, terminator or trailer
+        raise BadRequest(f"the request body's chunked framing is malformed: {type(error).__name__}: {error}",
+                         code="bad_request") from None
+    except OSError:  # the client closed the connection before the body ended
+        raise BadRequest("the request body ended before it was complete") from None
+    if size > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
+    return b"".join(parts)
 
 
 def _refuse_constant(name: str) -> float:

@@ -23,7 +23,7 @@ LAYERS = [
     ("wire", ["handler.protocol", "handler.formatting"]),
     ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight"]),
     ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
-               "handler.assemble_model"]),
+               "handler.disconnect", "handler.assemble_model", "handler.worker"]),
 ]
 # What the rest of the server may use of the engine: the request and event types and the backend interface.
 ENGINE_API = {"handler.engine.types", "handler.engine.backend"}
