@@ -95,7 +95,7 @@ class Settings(BaseModel):
     # The process (gunicorn): SageMaker's names above. One worker: one process already uses every core through
     # torch, and each worker holds a copy of the model. Threads: requests one worker holds open at once.
     host: str = "0.0.0.0"
-    port: int = Field(8080, ge=1, le=65535)
+    port: int = Field(8080, ge=0, le=65535)                 # 0: a free port the OS picks
     workers: int = Field(1, ge=1)
     threads: int = Field(128, ge=1)
     graceful_timeout: int = Field(25, ge=1)                 # seconds after SIGTERM; SageMaker kills at 30
