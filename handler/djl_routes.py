@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from flask import Flask, Response, request
 
@@ -13,13 +14,14 @@ log = logging.getLogger(__name__)
 _MAX_MESSAGE_CHARS = 300
 
 
-def install_user_handler(app: Flask, builtin_view, service) -> None:
-    """Route /invocations to the user's handler; let it call the built-in view through ``builtin_handle``."""
+def install_user_handler(app: Flask, builtin_view, service, read_body: Callable[[], bytes]) -> None:
+    """Route /invocations to the user's handler; let it call the built-in view through ``builtin_handle``.
+    ``read_body`` reads the request body under the server's limits (413, 400, 408 as JSON errors)."""
     handler = service.user_handler
     properties = service.handler_properties
 
     def user_invocations() -> Response:
-        inputs = Input(request.get_data(), request.content_type or "", dict(request.headers), properties)
+        inputs = Input(read_body(), request.content_type or "", dict(request.headers), properties)
         try:
             output = handler(inputs)
         except ServingError:

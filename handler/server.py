@@ -82,7 +82,7 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.before_request(routes.start_record)
     app.after_request(routes.finish_response)
     if service.user_handler is not None:
-        install_user_handler(app, routes.invocations, service)
+        install_user_handler(app, routes.invocations, service, read_body)
     return app
 
 

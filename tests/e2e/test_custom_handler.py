@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 from pathlib import Path
 
@@ -134,3 +135,21 @@ def test_a_handler_folder_needs_no_config_json(tmp_path):
         assert response.json()["generated_text"] == "yx"
     finally:
         stop_server(server)
+
+
+def test_a_handler_gets_the_servers_body_limits(own_model):
+    """A chunked body over 6 MiB is a 413 before the handler runs (not a body silently cut at the limit)."""
+    host, port = own_model.url.removeprefix("http://").split(":")
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(8):
+                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server may answer and close before the whole body is sent
+            pass
+        answer = sock.recv(65536).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+    assert '"error"' in answer
