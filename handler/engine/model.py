@@ -14,7 +14,9 @@ logits against ``LlamaForCausalLM`` itself.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,17 +25,25 @@ import torch.nn.functional as F
 from handler.engine.checkpoint import read_tensors
 from handler.engine.kv_cache import KEY_BLOCK, KVCache, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.support import rope_parameters, rope_type
+from handler.engine.support import rope_layers, rope_parameters, rope_type, with_family_defaults
 
 
 @dataclass(slots=True)
 class Layer:
-    input_norm: torch.Tensor
+    """One block's weights. Pre-norm families (all but olmo2) have ``input_norm`` and ``post_norm`` (before
+    attention and before the MLP); olmo2 has neither but ``attn_out_norm`` and ``mlp_out_norm`` (on each sublayer's
+    output, before the residual add). ``split`` turns the qkv projection into q, k (normed where the family norms
+    them, rotated where the layer uses RoPE) and v: picked at load, so a family pays only for what it has."""
+
+    input_norm: torch.Tensor | None
     qkv: DenseLinear | Int8DynamicLinear
     out: DenseLinear | Int8DynamicLinear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     gate_up: DenseLinear | Int8DynamicLinear
     down: DenseLinear | Int8DynamicLinear
+    split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,44 +106,84 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class DecoderModel:
-    """Llama-family forward over a flat batch with a slot-based KV cache."""
+    """Llama-family forward over a flat batch with a slot-based KV cache.
+
+    Family differences (``support``) are settled here at load, into the weights where they are linear (granite's
+    multipliers, the attention scale) or into each layer's ``split`` and the block loop, so the per-step work of a
+    family is only what its math needs: a llama step runs the same ops whatever else the engine implements."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, config: dict | None = None,
                  state: dict[str, torch.Tensor] | None = None) -> None:
         """``config`` and ``state`` default to the folder's own; a vision-language model passes its language
         model's config and tensors, renamed to Llama keys (``handler.engine.vision``)."""
-        config = read_config(model_dir) if config is None else config
+        config = with_family_defaults(read_config(model_dir) if config is None else config)
         self.shape = shape_from_config(config)
         self.dtype, self.device = dtype, device
         state = load_state_dict(model_dir) if state is None else state
+        family = config.get("model_type")
+        granite = family == "granite"
         make = self._dense  # handler.engine.quantize swaps in int8 layers after calibration
-        self.embed = state["model.embed_tokens.weight"].to(device, dtype)
-        self.layers = [self._layer(state, i, make) for i in range(self.shape.num_layers)]
+        embed = state["model.embed_tokens.weight"]
+        # granite scales the embeddings, each sublayer's output and the logits: folded into the weights
+        self.embed = (embed * config["embedding_multiplier"] if granite else embed).to(device, dtype)
+        self.post_norms = family == "olmo2"
+        rope = rope_layers(config)
+        self.layers = [self._layer(state, i, make, config, rope[i]) for i in range(self.shape.num_layers)]
         self.final_norm = state["model.norm.weight"].to(device, dtype)
-        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
-        self.lm_head = make(head, None)
+        head = state.get("lm_head.weight", embed)  # tied embeddings
+        self.lm_head = make(head / config["logits_scaling"] if granite else head, None)
         self.cos, self.sin = self._rotary_tables(config)
+        self._blocks = self._post_norm_blocks if self.post_norms else self._pre_norm_blocks
 
     def _dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
         bias = None if bias is None else bias.to(self.device, self.dtype)
         return DenseLinear(weight.to(self.device, self.dtype), bias)
 
-    def _layer(self, state: dict[str, torch.Tensor], i: int, make) -> Layer:
+    def _norm(self, state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        return state[name].to(self.device, self.dtype)
+
+    def _layer(self, state: dict[str, torch.Tensor], i: int, make, config: dict, use_rope: bool) -> Layer:
         p = f"model.layers.{i}."
-        # attention's 1/sqrt(head_dim) is folded into the query projection (RoPE is linear): no scaling op per step
-        scale = self.shape.head_dim**-0.5
+        s = self.shape
+        family = config.get("model_type")
+        # attention's scale is folded into the query: into the projection (RoPE is linear) or, where q is normed
+        # after the projection (which would undo a scaled projection), into the norm's weight
+        scale = config["attention_multiplier"] if family == "granite" else s.head_dim**-0.5
+        q_norm = state[f"{p}self_attn.q_norm.weight"] if family in ("qwen3", "olmo2") else None
+        project_scale = 1.0 if q_norm is not None else scale
         attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
-        attn[0] = attn[0] * scale
+        attn[0] = attn[0] * project_scale
         biases = [state.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-        biases[0] = None if biases[0] is None else biases[0] * scale
+        biases[0] = None if biases[0] is None else biases[0] * project_scale
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        out_weight, out_bias = state[f"{p}self_attn.o_proj.weight"], state.get(f"{p}self_attn.o_proj.bias")
+        down = state[f"{p}mlp.down_proj.weight"]
+        if family == "granite":  # residual_multiplier scales each sublayer's output: its last Linear
+            residual = config["residual_multiplier"]
+            out_weight, down = out_weight * residual, down * residual
+            out_bias = None if out_bias is None else out_bias * residual
+        heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
+        if q_norm is None:
+            split = partial(_split_and_rotate if use_rope else _split, **heads)
+        else:
+            k_norm = self._norm(state, f"{p}self_attn.k_norm.weight")
+            q_norm = (q_norm * scale).to(self.device, self.dtype)
+            if family == "olmo2":  # over the whole q and k projections
+                split = partial(_split_norm_rotate, **heads, q_norm=q_norm, k_norm=k_norm, eps=s.rms_norm_eps)
+            else:  # qwen3: over each head, one weight per head dim
+                weight = torch.cat([q_norm.expand(s.num_heads, -1), k_norm.expand(s.num_kv_heads, -1)])
+                split = partial(_split_head_norm_rotate, **heads, qk_norm=weight, eps=s.rms_norm_eps)
+        post = self.post_norms
         return Layer(
-            input_norm=state[f"{p}input_layernorm.weight"].to(self.device, self.dtype),
+            input_norm=None if post else self._norm(state, f"{p}input_layernorm.weight"),
             qkv=make(torch.cat(attn), qkv_bias),
-            out=make(state[f"{p}self_attn.o_proj.weight"], state.get(f"{p}self_attn.o_proj.bias")),
-            post_norm=state[f"{p}post_attention_layernorm.weight"].to(self.device, self.dtype),
+            out=make(out_weight, out_bias),
+            post_norm=None if post else self._norm(state, f"{p}post_attention_layernorm.weight"),
             gate_up=make(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]), None),
-            down=make(state[f"{p}mlp.down_proj.weight"], None),
+            down=make(down, None),
+            split=split,
+            attn_out_norm=self._norm(state, f"{p}post_attention_layernorm.weight") if post else None,
+            mlp_out_norm=self._norm(state, f"{p}post_feedforward_layernorm.weight") if post else None,
         )
 
     def _rotary_tables(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,22 +224,37 @@ class DecoderModel:
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [rows, 1, head_dim]
+        x = self._blocks(x, cos, sin, layout, cache)
+        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, self.shape.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    def _pre_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                         cache: KVCache) -> torch.Tensor:
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-            x = x + layer.out(self._attention(layer.qkv(h), cos, sin, index, layout, cache))
+            x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache))
             h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, eps)
-        return self.lm_head(x).float()
+        return x
 
-    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                   layout: StepLayout, cache: KVCache) -> torch.Tensor:
+    def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                          cache: KVCache) -> torch.Tensor:
+        """olmo2: each sublayer reads the residual stream itself and its output is normed before the add."""
+        eps = self.shape.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            h = layer.out(self._attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            x = x + F.rms_norm(layer.down(F.silu(gate) * up), (x.shape[-1],), layer.mlp_out_norm, eps)
+        return x
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
+                   cache: KVCache) -> torch.Tensor:
         s = self.shape
-        rows = qkv.shape[0]
-        q, k, v = _split_and_rotate(qkv, cos, sin, s.num_heads, s.num_kv_heads, s.head_dim)
-        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=qkv.dtype, device=qkv.device)
+        rows = q.shape[0]
+        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         n = layout.num_decode
         if n:
             cache.write_decode(layer, k[:n], v[:n], layout.decode_positions)
@@ -247,6 +312,50 @@ def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
     qk = qk * cos + rotated * sin  # [rows, heads + kv_heads, head_dim]
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
     return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+@torch.jit.script
+def _split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_split_and_rotate`` for a layer without RoPE (smollm3's no-rope layers): cos and sin are not read."""
+    rows = qkv.shape[0]
+    q = qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(rows, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
+    return q, k, v
+
+
+@torch.jit.script
+def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = qk.shape[-1] // 2
+    return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+
+
+@torch.jit.script
+def _split_head_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                            num_kv_heads: int, head_dim: int, qk_norm: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qwen3: RMSNorm over each q and k head (``qk_norm`` ``[heads + kv_heads, head_dim]``: q_norm's weight,
+    carrying the attention scale, on the query heads, k_norm's on the KV heads), then RoPE."""
+    rows = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, -1, head_dim)
+    qk = _rotate(torch.rms_norm(qk, [head_dim], None, eps) * qk_norm, cos, sin)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
+    return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+@torch.jit.script
+def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """olmo2: RMSNorm over the whole q projection and the whole k projection (q_norm carrying the attention
+    scale), then per-head RoPE."""
+    rows = qkv.shape[0]
+    q_size, k_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = torch.rms_norm(qkv[:, :q_size], [q_size], q_norm, eps).view(rows, num_heads, head_dim)
+    k = torch.rms_norm(qkv[:, q_size: q_size + k_size], [k_size], k_norm, eps).view(rows, num_kv_heads, head_dim)
+    v = qkv[:, q_size + k_size:].view(rows, num_kv_heads, head_dim)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,

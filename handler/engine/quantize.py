@@ -5,7 +5,10 @@ rounds the ordinary channels away. SmoothQuant (Xiao et al., 2023) divides each 
 ``s_j = max|x_j|^a / max|W_j|^(1-a)`` and multiplies the weight's column ``j`` by the same ``s_j``: the product is
 unchanged, but the activation becomes easy to quantise. The division is folded into what produces the activation,
 so it costs nothing at run time: the RMSNorm weight before q/k/v and gate/up, the value projection before the
-output projection (attention is linear in V), and the up projection before the down projection.
+output projection (attention is linear in V), and the up projection before the down projection. A post-norm
+block (olmo2) has no norm before q/k/v or gate/up (they read the residual stream itself), so those two stay
+unsmoothed there (quantised as they are); q/k norms (qwen3, olmo2) act on the projection's output, which input
+smoothing leaves unchanged.
 
 ``max|x_j|`` comes from one dense forward over ``CALIBRATION_TEXT`` at load (about 0.1 s for the embedded model).
 """
@@ -81,12 +84,15 @@ def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]
     v_start = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
     groups = shape.num_heads // shape.num_kv_heads
     for layer, stat in zip(model.layers, stats, strict=True):
-        s = smoothing_factors(stat["qkv"], layer.qkv.weight)
-        layer.input_norm = layer.input_norm / s
-        qkv = layer.qkv.weight * s
-        s = smoothing_factors(stat["gate_up"], layer.gate_up.weight)
-        layer.post_norm = layer.post_norm / s
-        gate_up = layer.gate_up.weight * s
+        qkv, gate_up = layer.qkv.weight.clone(), layer.gate_up.weight.clone()  # updated in place below
+        if layer.input_norm is not None:
+            s = smoothing_factors(stat["qkv"], qkv)
+            layer.input_norm = layer.input_norm / s
+            qkv.mul_(s)
+        if layer.post_norm is not None:
+            s = smoothing_factors(stat["gate_up"], gate_up)
+            layer.post_norm = layer.post_norm / s
+            gate_up.mul_(s)
         # The output projection's input channel h*head_dim+d comes from KV head h // groups, dim d.
         out_s = smoothing_factors(stat["out"], layer.out.weight).view(shape.num_kv_heads, groups, shape.head_dim)
         v_s = out_s.amax(dim=1)  # heads sharing a KV head must share its factor: [kv_heads, head_dim]

@@ -2,8 +2,18 @@
 
 The lean model (``model.py``) is one block: pre-norm RMSNorm (``x * w``), attention with rotary embeddings in the
 ``rotate_half`` layout over the whole head, optional q/k/v and o biases, a SiLU-gated MLP without biases, every
-layer attending to every earlier position. A checkpoint that needs anything else would run and answer wrongly, so
-it is refused instead, with the reason: the model type, a config feature, or a tensor the lean model would not read.
+layer attending to every earlier position. The families it runs are that block with these differences:
+
+- llama, mistral, qwen2: the block itself.
+- qwen3: RMSNorm on each q and k head (``q_norm`` / ``k_norm``, before RoPE); ``head_dim`` from the config.
+- granite: ``embedding_multiplier``, ``attention_multiplier`` (the attention scale), ``residual_multiplier`` (each
+  sublayer's output) and ``logits_scaling`` (logits divided by it), all folded into weights at load.
+- smollm3: layers without RoPE (``no_rope_layers``: 1 uses RoPE, 0 does not).
+- olmo2: RMSNorm on the whole q and k projections, and post-norms (``post_attention_layernorm`` and
+  ``post_feedforward_layernorm`` on each sublayer's output before the residual add) instead of pre-norms.
+
+A checkpoint that needs anything else would run and answer wrongly, so it is refused instead, with the reason: the
+model type, a config feature, or a tensor the lean model would not read (or lacks).
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from pathlib import Path
 from handler.engine.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2")
 # rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
 # nothing up to max_position_embeddings, which bounds our context)
 LEAN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -24,6 +34,22 @@ _LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "
                   "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _OPTIONAL_LAYER_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                            "self_attn.o_proj.bias")
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# each family's layer tensors, where they differ from the llama block's
+_FAMILY_LAYER_TENSORS = {
+    "qwen3": _LAYER_TENSORS + _QK_NORMS,
+    "olmo2": tuple(n for n in _LAYER_TENSORS if n != "input_layernorm.weight")
+    + ("post_feedforward_layernorm.weight",) + _QK_NORMS,
+}
+# config defaults of transformers' config classes that differ from the ones model.py falls back to, for a
+# config.json that leaves them out (save_pretrained writes them all)
+_FAMILY_DEFAULTS = {
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "granite": {"embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
+                "logits_scaling": 1.0},
+    "smollm3": {"rope_theta": 2000000.0, "max_position_embeddings": 32768, "no_rope_layer_interval": 4},
+    "olmo2": {"rms_norm_eps": 1e-5},
+}
 
 
 class UnsupportedModel(ValueError):
@@ -38,6 +64,27 @@ def rope_parameters(config: dict) -> dict:
 def rope_type(config: dict) -> str:
     rope = rope_parameters(config)
     return rope.get("rope_type", rope.get("type", "default"))
+
+
+def with_family_defaults(config: dict) -> dict:
+    """The config with its family's defaults filled in where it leaves them out (``_FAMILY_DEFAULTS``)."""
+    defaults = dict(_FAMILY_DEFAULTS.get(config.get("model_type"), {}))
+    if "rope_theta" in rope_parameters(config):  # transformers 5 keeps it there
+        defaults.pop("rope_theta", None)
+    return {**defaults, **config}
+
+
+def rope_layers(config: dict) -> list[bool]:
+    """Per layer, whether it applies RoPE: every layer, but smollm3's ``no_rope_layers`` (1 = RoPE, 0 = none;
+    by default every ``no_rope_layer_interval``-th layer has none, as transformers' config fills it)."""
+    layers = config.get("num_hidden_layers", 0)
+    if config.get("model_type") != "smollm3":
+        return [True] * layers
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = with_family_defaults(config)["no_rope_layer_interval"]
+        return [(i + 1) % interval != 0 for i in range(layers)]
+    return [bool(flag) for flag in flags]
 
 
 def check_lean(config: dict, names: Iterable[str] | None, max_model_len: int) -> None:
@@ -74,6 +121,9 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
         reasons.append(f"partial_rotary_factor {partial}")
     if config.get("mlp_bias"):
         reasons.append("mlp_bias")
+    if model_type == "smollm3" and len(rope_layers(config)) != config.get("num_hidden_layers", 0):
+        reasons.append(f"no_rope_layers of {len(config['no_rope_layers'])} entries for "
+                       f"{config.get('num_hidden_layers', 0)} layers")
     if (window := sliding_window(config)) is not None and window < max_model_len:
         reasons.append(f"sliding_window {window} (exact only up to that many positions: set "
                        f"option.max_model_len to at most {window}, now {max_model_len})")
@@ -86,22 +136,24 @@ def sliding_window(config: dict) -> int | None:
     if not window:
         return None
     layer_types = config.get("layer_types")
-    if layer_types is not None:
+    if layer_types is not None:  # (a sliding layer whose config drops the window fails in transformers itself)
         return window if "sliding_attention" in layer_types else None
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+    # these families' configs drop the window unless use_sliding_window is set
+    if config.get("model_type") in ("qwen2", "qwen3", "smollm3") and not config.get("use_sliding_window", False):
         return None
     return window
 
 
 def _tensor_problems(config: dict, names: set[str]) -> list[str]:
     layers = config.get("num_hidden_layers", 0)
+    layer_tensors = _FAMILY_LAYER_TENSORS.get(config.get("model_type"), _LAYER_TENSORS)
     required = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.get("tie_word_embeddings", False):
         required.add("lm_head.weight")
     known = required | {"lm_head.weight"}
     for i in range(layers):
-        required |= {f"model.layers.{i}.{n}" for n in _LAYER_TENSORS}
-        known |= {f"model.layers.{i}.{n}" for n in _LAYER_TENSORS + _OPTIONAL_LAYER_TENSORS}
+        required |= {f"model.layers.{i}.{n}" for n in layer_tensors}
+        known |= {f"model.layers.{i}.{n}" for n in layer_tensors + _OPTIONAL_LAYER_TENSORS}
         biases = {f"model.layers.{i}.{n}" for n in _OPTIONAL_LAYER_TENSORS[:3]} & names
         if biases and len(biases) != 3:
             return [f"q/k/v biases on only some projections of layer {i}"]

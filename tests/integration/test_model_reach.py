@@ -1,6 +1,7 @@
 """Checkpoints the lean engine runs, proven against transformers' own forward on tiny random checkpoints (fp32,
-whole and chunked prefill), and the load of a scaled-RoPE checkpoint in a fresh process (two threads importing
-transformers at once used to fail it)."""
+whole and chunked prefill, and rows of different lengths batched in one step beside decode rows), greedy tokens
+through the Engine for each family added to the llama block, and the load of a scaled-RoPE checkpoint in a fresh
+process (two threads importing transformers at once used to fail it)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine.model import DecoderModel, build_layout
+from handler.engine.engine import Engine, EngineLimits, wait_until_ready
+from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
+from handler.engine.model import DecoderModel, build_layout, read_config
+from handler.engine.quantize import calibrate, smooth_and_quantize
+from handler.engine.types import GenerationRequest, StopConditions
+from tests.integration.test_engine_small import collect
+from tests.integration.test_reference_path import PROMPTS, reference_tokens
 from tests.tiny_checkpoints import build_tiny
+
+GRANITE = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+           "logits_scaling": 4.0}
 
 CONFIGS = {
     "llama": ("llama", {}),
@@ -25,7 +35,17 @@ CONFIGS = {
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),  # head_dim 128 (the config's) with hidden 64 / 4 heads
+    "qwen3-bias-head-dim-32": ("qwen3", {"head_dim": 32, "attention_bias": True}),
+    "granite": ("granite", GRANITE),
+    "granite-tied": ("granite", {**GRANITE, "tie_word_embeddings": True}),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0]}),
+    "smollm3-nope-first": ("smollm3", {"no_rope_layers": [0, 1]}),
+    "olmo2": ("olmo2", {}),
+    "olmo2-attention-bias": ("olmo2", {"attention_bias": True}),
 }
+# the families added to the llama block: each also through the Engine (loader, path choice, runner)
+ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -56,6 +76,76 @@ def test_lean_logits_match_transformers_whole_and_chunked(checkpoint: Path) -> N
     ours = DecoderModel(checkpoint, dtype=torch.float32, device=torch.device("cpu"))
     for cuts in ([], [70, 130]):
         assert torch.allclose(logits_in_chunks(ours, ids, cuts), theirs, atol=1e-4), checkpoint.name
+
+
+def test_lean_logits_match_transformers_batched_beside_decode_rows(checkpoint: Path) -> None:
+    """Three sequences of different lengths share steps: two prefills (one cut in two), then a decode row beside
+    two prefill chunks, then three decode rows; every row's logits equal transformers' on that sequence alone."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 49152, (260,), generator=torch.Generator().manual_seed(2)).tolist()
+    # slot -> the sequence (prompt and the tokens decoded after it)
+    seqs = [ids[:37] + ids[200:202], ids[37:150] + ids[202:203], ids[150:155] + ids[203:204]]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = [reference(torch.tensor([seq])).logits[0] for seq in seqs]
+    model = DecoderModel(checkpoint, dtype=torch.float32, device=torch.device("cpu"))
+    groups = model.shape.num_heads // model.shape.num_kv_heads
+    cache = model.new_cache(3, 256)
+    cache.ensure(3, 256)
+    # each step: decode positions (slot i = row i), prefill chunks (slot, start, length)
+    steps = [([], [(0, 0, 37), (1, 0, 60)]),
+             ([37], [(1, 60, 53), (2, 0, 5)]),
+             ([38, 113, 5], [])]
+    for decode, chunks in steps:
+        rows = [(slot, pos) for slot, pos in enumerate(decode)]
+        rows += [(slot, pos) for slot, start, length in chunks for pos in range(start, start + length)]
+        tokens = torch.tensor([seqs[slot][pos] for slot, pos in rows])
+        positions = torch.tensor([pos for _slot, pos in rows])
+        layout = build_layout(decode, chunks, groups, model.device)
+        ours = model.forward(tokens, positions, layout, cache, torch.arange(len(rows)))
+        expected = torch.stack([theirs[slot][pos] for slot, pos in rows])
+        assert torch.allclose(ours, expected, atol=1e-4), (checkpoint.name, (ours - expected).abs().max())
+
+
+def test_int8_serves_every_family_close_to_dense_and_chunking_invariant(checkpoint: Path) -> None:
+    """int8 (SmoothQuant folded into the pre-norms where a family has them; olmo2's post-norm block leaves q/k/v and
+    gate/up unsmoothed) on every family: the same bits whole or chunked, and near the dense logits."""
+    ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    calibration = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    dense = logits_in_chunks(DecoderModel(checkpoint, dtype=torch.float32, device=torch.device("cpu")), ids, [])
+    model = DecoderModel(checkpoint, dtype=torch.float32, device=torch.device("cpu"))
+    smooth_and_quantize(model, calibrate(model, calibration))
+    whole = logits_in_chunks(model, ids, [])
+    assert torch.equal(whole, logits_in_chunks(model, ids, [70, 130])), checkpoint.name
+    assert (whole - dense).norm() / dense.norm() < 0.05, checkpoint.name
+
+
+@pytest.fixture(scope="module", params=ENGINE_FAMILIES)
+def lean_engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
+    model_type, overrides = CONFIGS[request.param]
+    folder = build_tiny(tmp_path_factory.mktemp(f"engine-{request.param}"), model_type, **overrides)
+    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128, rolling_batch="auto")
+    assert choose_path(options, read_config(folder))[0] == "lean"
+    loaded = load(options, lambda: load_tokenizer(folder))[0]
+    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
+    engine.start()
+    wait_until_ready(engine, timeout=120)
+    yield engine, folder
+    engine.stop()
+
+
+def test_greedy_tokens_equal_transformers_generate_through_the_engine(lean_engine_and_folder) -> None:
+    """Requests submitted together (sharing steps, the longer prompt prefilled in chunks, the first forking for
+    n=2) on the lean path: the tokens transformers' own ``generate`` picks."""
+    engine, folder = lean_engine_and_folder
+    stop = StopConditions(max_new_tokens=8, ignore_eos=True)
+    handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), stop=stop, n=1 + (i == 0)))
+               for i, p in enumerate(PROMPTS)]
+    results = [collect(handle) for handle in handles]
+    for prompt, choices in zip(PROMPTS, results, strict=True):
+        expected = reference_tokens(folder, prompt, 8)
+        assert all(choice.token_ids == expected for choice in choices.values()), folder.name
 
 
 def test_a_scaled_rope_checkpoint_loads_in_a_fresh_process(tmp_path: Path) -> None:

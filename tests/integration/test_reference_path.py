@@ -1,6 +1,7 @@
 """The transformers path (``engine.reference``) through our Engine on tiny random checkpoints of architectures the
-lean model does not implement: greedy tokens equal transformers' own ``generate``, for requests run together with
-chunked prefill, and for n > 1 (forked caches)."""
+lean model does not implement (and, with option.rolling_batch=transformers, of families it does): greedy tokens
+equal transformers' own ``generate``, for requests run together with chunked prefill, and for n > 1 (forked
+caches)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,12 @@ from tests.tiny_checkpoints import build_tiny
 
 # model type -> config overrides a tiny checkpoint needs (MoE: a few small experts)
 FAMILIES = {
-    "qwen3": {},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "phi3": {},
     "gemma": {"head_dim": 16},
     "gemma2": {"head_dim": 16, "sliding_window": 8},
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
-    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
-                "logits_scaling": 4.0},
-    "olmo2": {},
-    "smollm3": {"no_rope_layers": [1, 0]},
     "stablelm": {},
     "cohere": {},
     "gpt_neox": {},
@@ -53,13 +49,24 @@ FAMILIES = {
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128},
 }
+# families the lean engine implements (auto serves them there): the transformers path when asked for by name
+FORCED = {
+    "qwen3": {},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0},
+    "olmo2": {},
+    "smollm3": {"no_rope_layers": [1, 0]},
+}
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 23, 11, 4, 4242, 77, 3], [8, 9, 10], list(range(100, 140))]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(FAMILIES) + sorted(FORCED))
 def engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
-    folder = build_tiny(tmp_path_factory.mktemp(request.param), request.param, **FAMILIES[request.param])
-    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128, rolling_batch="auto")
+    forced = request.param in FORCED
+    overrides = FORCED[request.param] if forced else FAMILIES[request.param]
+    folder = build_tiny(tmp_path_factory.mktemp(request.param), request.param, **overrides)
+    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
+                          rolling_batch="transformers" if forced else "auto")
     assert choose_path(options, read_config(folder))[0] == "transformers"
     loaded = load(options, lambda: load_tokenizer(folder))[0]
     engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))

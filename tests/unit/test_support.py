@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from handler.engine.support import UnsupportedModel, check_lean, sliding_window, unsupported_features
+from handler.engine.support import (
+    UnsupportedModel,
+    check_lean,
+    rope_layers,
+    sliding_window,
+    unsupported_features,
+    with_family_defaults,
+)
 
 LLAMA = {"model_type": "llama", "hidden_act": "silu", "num_hidden_layers": 1, "tie_word_embeddings": False}
 LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
          "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
          "mlp.up_proj.weight", "mlp.down_proj.weight"]
 NAMES = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {f"model.layers.0.{n}" for n in LAYER}
+QK_NORMS = {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
+QWEN3_NAMES = NAMES | QK_NORMS
+OLMO2_NAMES = (NAMES - {"model.layers.0.input_layernorm.weight"}) | QK_NORMS | {
+    "model.layers.0.post_feedforward_layernorm.weight"}
 
 
 @pytest.mark.parametrize("config", [
@@ -28,8 +39,29 @@ def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
     check_lean(config, NAMES, 4096)
 
 
+@pytest.mark.parametrize(("config", "names"), [
+    ({**LLAMA, "model_type": "qwen3"}, QWEN3_NAMES),
+    ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": False}, QWEN3_NAMES),
+    ({**LLAMA, "model_type": "granite", "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
+      "residual_multiplier": 0.22, "logits_scaling": 8.0}, NAMES),
+    ({**LLAMA, "model_type": "smollm3", "no_rope_layers": [0]}, NAMES),
+    ({**LLAMA, "model_type": "smollm3", "sliding_window": 64, "use_sliding_window": False}, NAMES),
+    ({**LLAMA, "model_type": "olmo2"}, OLMO2_NAMES),
+])
+def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, names: set[str]) -> None:
+    check_lean(config, names, 4096)
+
+
 @pytest.mark.parametrize(("config", "named"), [
-    ({**LLAMA, "model_type": "qwen3"}, "this model type"),
+    ({**LLAMA, "model_type": "phi3"}, "this model type"),
+    ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
+    ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["sliding_attention"]}, "option.max_model_len to at most 64"),
+    ({**LLAMA, "model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["sliding_attention"]}, "sliding_window 64"),
+    ({**LLAMA, "model_type": "smollm3", "no_rope_layers": [1, 0]}, "no_rope_layers of 2 entries for 1 layers"),
+    ({**LLAMA, "model_type": "granite", "mlp_bias": True}, "mlp_bias"),
+    ({**LLAMA, "model_type": "olmo2", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**LLAMA, "model_type": "gemma2"}, "this model type"),
     ({**LLAMA, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**LLAMA, "rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
@@ -57,6 +89,36 @@ def test_anything_else_is_refused_naming_it(config: dict, named: str) -> None:
 def test_tensors_the_block_would_not_read_or_lacks_are_refused(names: set[str], named: str) -> None:
     with pytest.raises(UnsupportedModel, match=named):
         check_lean(LLAMA, names, 4096)
+
+
+@pytest.mark.parametrize(("model_type", "names", "named"), [
+    ("qwen3", NAMES, "without model.layers.0.self_attn.k_norm.weight"),  # a qwen3 needs its q/k norms
+    ("qwen3", QWEN3_NAMES | {"model.layers.0.pre_feedforward_layernorm.weight"}, "pre_feedforward_layernorm"),
+    ("olmo2", OLMO2_NAMES | {"model.layers.0.input_layernorm.weight"}, "would not read: model.layers.0.input_"),
+    ("olmo2", OLMO2_NAMES - {"model.layers.0.post_feedforward_layernorm.weight"}, "without model.layers.0.post_f"),
+    ("granite", QWEN3_NAMES, "would not read: model.layers.0.self_attn.k_norm"),  # q/k norms only where read
+    ("smollm3", QWEN3_NAMES, "would not read: model.layers.0.self_attn.k_norm"),
+])
+def test_each_family_reads_its_own_tensors(model_type: str, names: set[str], named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        check_lean({**LLAMA, "model_type": model_type}, names, 4096)
+
+
+def test_family_defaults_fill_what_a_config_leaves_out() -> None:
+    assert with_family_defaults({"model_type": "qwen3"})["head_dim"] == 128
+    assert with_family_defaults({"model_type": "olmo2"})["rms_norm_eps"] == 1e-5
+    assert with_family_defaults({"model_type": "olmo2", "rms_norm_eps": 1e-6})["rms_norm_eps"] == 1e-6
+    assert with_family_defaults({"model_type": "smollm3"})["rope_theta"] == 2000000.0
+    assert "rope_theta" not in with_family_defaults({"model_type": "smollm3",
+                                                     "rope_parameters": {"rope_theta": 5e6}})
+    assert "head_dim" not in with_family_defaults({"model_type": "llama"})
+
+
+def test_rope_layers() -> None:
+    assert rope_layers({"model_type": "llama", "num_hidden_layers": 2}) == [True, True]
+    assert rope_layers({"model_type": "smollm3", "num_hidden_layers": 2, "no_rope_layers": [1, 0]}) == [True, False]
+    # transformers' default: every 4th layer without RoPE
+    assert rope_layers({"model_type": "smollm3", "num_hidden_layers": 8}) == [True, True, True, False] * 2
 
 
 def test_tied_embeddings_need_no_head_and_qkv_biases_are_read() -> None:
