@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import io
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from PIL import Image, ImageOps
@@ -74,19 +76,8 @@ def inline_bytes(ref: str, limits: DecodeLimits, *, param: str) -> bytes | None:
 def image_size(data: bytes, limits: DecodeLimits, *, param: str) -> tuple[int, int]:
     """``(width, height)`` from the header alone (nothing is decoded), after the same checks as decoding: size,
     format, ``limits.max_pixels``. What a request's images will take is known before any of them is decoded."""
-    _check_bytes(data, limits, param)
-    with warnings.catch_warnings():  # as in decode_image_bytes
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            with Image.open(io.BytesIO(data), formats=_FORMATS) as img:
-                _check_pixels(img, limits, param)
-                return img.size
-        except BadRequest:
-            raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise BadRequest(f"image in {param} has too many pixels: {exc}", param=param) from exc
-        except Exception as exc:  # Pillow raises many types on hostile input: OSError, ValueError, SyntaxError...
-            raise BadRequest(f"{param} is not a decodable image: {exc}", param=param) from exc
+    with _opened(data, limits, param) as img:
+        return img.size
 
 
 def _check_bytes(data: bytes, limits: DecodeLimits, param: str) -> None:
@@ -100,16 +91,24 @@ def _check_bytes(data: bytes, limits: DecodeLimits, param: str) -> None:
 
 def decode_image_bytes(data: bytes, limits: DecodeLimits, *, param: str) -> Image.Image:
     """Decode ``data`` (format sniffed) to RGB: first frame, EXIF orientation applied, alpha over white."""
+    with _opened(data, limits, param) as img:
+        img.seek(0)
+        img.load()
+        return _to_rgb(img)
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, limits: DecodeLimits, param: str) -> Iterator[Image.Image]:
+    """The image opened from its header (format sniffed, size and pixel count checked, nothing decoded yet); what
+    Pillow raises while the caller reads it becomes a 400 naming ``param``."""
     _check_bytes(data, limits, param)
-    # catch_warnings is process-wide, not per thread; the header check in _open does not depend on it.
+    # catch_warnings is process-wide, not per thread; the header check in _check_pixels does not depend on it.
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data), formats=_FORMATS) as img:
                 _check_pixels(img, limits, param)
-                img.seek(0)
-                img.load()
-                return _to_rgb(img)
+                yield img
         except BadRequest:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
