@@ -1,7 +1,8 @@
 """Issue #17's scenario: hostile and unlucky traffic at once, while /ping and a normal chat are measured.
 
 Serves a tiny vision-language model (``tests.vision_fixture``, built locally) on a free loopback port, with a loopback
-image server that answers after --image-delay seconds allow-listed. Then, for --seconds:
+image server that answers after --image-delay seconds allow-listed (``tests.vision_fixture.SlowImageServer``).
+Then, for --seconds:
   - --stalled connections trickle a request head one byte every 2 s and --idle ones send nothing, re-opened as soon
     as the server closes them (``bench.slow_clients.Attackers``);
   - --slow-images concurrent chat requests each point at the slow image server, re-sent as soon as one ends;
@@ -18,7 +19,6 @@ Prints one JSON object. Loopback only.
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import socket
 import statistics
@@ -32,31 +32,8 @@ import psutil
 import requests
 
 from bench.slow_clients import Attackers
-from tests.e2e.conftest import start_server, stop_server
-from tests.vision_fixture import build_tiny_vlm
-
-
-class SlowImageServer:
-    """Answers every GET after ``delay`` seconds with a 404 (the fetch is slow either way)."""
-
-    def __init__(self, delay: float) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                time.sleep(delay)
-                try:
-                    self.send_error(404)
-                except OSError:
-                    pass
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/slow.png"
+from tests.e2e.conftest import start_tiny_vlm, stop_server
+from tests.vision_fixture import SlowImageServer
 
 
 def worker_pid(master_pid: int) -> int | None:
@@ -179,12 +156,10 @@ def main() -> int:
     parser.add_argument("--storm", type=int, default=200)
     parser.add_argument("--env", nargs="*", default=[], help="KEY=VALUE settings for the server")
     args = parser.parse_args()
-    slow = SlowImageServer(args.image_delay)
+    slow = SlowImageServer()
+    slow_url = slow.url(f"sleep/{args.image_delay:g}/0")  # a small PNG, after --image-delay seconds
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_vlm(Path(tmp) / "tiny-vlm")
-        env = {"OPTION_MODEL_ID": str(model), "OPTION_IMAGE_FETCH_ALLOWED_HOSTS": "127.0.0.1",
-               **dict(item.split("=", 1) for item in args.env)}
-        server = start_server(Path(tmp), env)
+        server = start_tiny_vlm(Path(tmp), dict(item.split("=", 1) for item in args.env))
         try:
             rss: list[float] = []
             workers: set[int] = set()
@@ -195,7 +170,7 @@ def main() -> int:
             threading.Thread(target=attackers.run, daemon=True).start()
             statuses: list = []
             for _ in range(args.slow_images):
-                threading.Thread(target=slow_image_client, args=(server.url, slow.url(), stop, statuses),
+                threading.Thread(target=slow_image_client, args=(server.url, slow_url, stop, statuses),
                                  daemon=True).start()
             time.sleep(3)
             result = probe(server.url, args.seconds)

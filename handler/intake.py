@@ -28,7 +28,7 @@ def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer,
     parsed.check()
     plan = parsed.output_plan(renderer)
     messages, images = parsed.prompt_messages()
-    prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images)
+    prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images, arrived_at=arrived_at)
     return dataclasses.replace(parsed.to_generation_request(prompt, plan, default_temperature), arrived_at=arrived_at)
 
 

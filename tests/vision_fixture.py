@@ -15,10 +15,13 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
 from __future__ import annotations
 
 import http.server
+import io
 import threading
+import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "model_store" / "smollm2-135m-instruct"
 
@@ -45,6 +48,67 @@ LLAVA_TEMPLATE = (
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
 ]
+
+
+def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class SlowImageServer:
+    """A loopback HTTP server: ``/sleep/<seconds>/<n>`` answers a small PNG after that long, ``/hold/<n>`` once
+    ``release`` is set. Counts the requests, those in progress and the most in progress at once."""
+
+    def __init__(self) -> None:
+        server = self
+        self.release = threading.Event()
+        self.hits = self.active = self.max_active = 0
+        self._lock = threading.Lock()
+        body = png_bytes(48, 48)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                with server._lock:
+                    server.hits += 1
+                    server.active += 1
+                    server.max_active = max(server.max_active, server.active)
+                try:
+                    parts = self.path.strip("/").split("/")
+                    if parts[0] == "hold":
+                        server.release.wait(60)
+                    else:
+                        time.sleep(float(parts[1]))
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the fetcher gave up (its budget ran out)
+                    pass
+                finally:
+                    with server._lock:
+                        server.active -= 1
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{path}"
+
+    def wait_active(self, count: int, timeout: float = 60) -> None:
+        end = time.monotonic() + timeout
+        while self.active < count:
+            assert time.monotonic() < end, f"the slow server never had {count} requests in progress"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 class ImageServer:

@@ -36,10 +36,7 @@ class AdmissionControl:
         return start + timeout if timeout is not None else math.inf
 
     def enqueue(self, state: RequestState, put: Callable[[RequestState], None]) -> None:
-        """Hand ``state`` to ``put``, or raise ``Overloaded`` when ``Admission.max_waiting`` requests already wait. A
-        request that carries its arrival time gets its deadline counted from then."""
-        if state.request.arrived_at is not None:
-            state.deadline = self.deadline(state.request.arrived_at)
+        """Hand ``state`` to ``put``, or raise ``Overloaded`` when ``Admission.max_waiting`` requests already wait."""
         with self._lock:  # count and put as one, or two callers could both take the last place
             self._pending = [s for s in self._pending if s.is_waiting]
             limit = self._settings().max_waiting

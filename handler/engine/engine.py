@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -108,7 +107,7 @@ class Engine:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
         request = self.fit_prompt(request)
         self.validate(request)
-        state = RequestState(request, self._new_sequence, deadline=self._admission.deadline(),
+        state = RequestState(request, self._new_sequence, deadline=self._admission.deadline(request.arrived_at),
                              matcher=self._compile_grammar(request))
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
@@ -313,7 +312,7 @@ class Engine:
 
     def _end_all(self, message: str) -> None:
         """End every request, waiting or running, with an error event (the engine is stopping)."""
-        for state in self._scheduler.take_expired(math.inf) + self._scheduler.running_requests():
+        for state in self._scheduler.take_waiting() + self._scheduler.running_requests():
             self._end(state, message, ErrorKind.STOPPED)
 
     def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:

@@ -119,6 +119,10 @@ class Scheduler:
     def take_cancelled_waiting(self) -> list[RequestState]:
         return self._take_waiting(lambda state: state.cancelled.is_set())
 
+    def take_waiting(self) -> list[RequestState]:
+        """Every waiting request (the engine is stopping)."""
+        return self._take_waiting(lambda state: True)
+
     def take_expired(self, now: float) -> list[RequestState]:
         """Waiting requests whose deadline is ``now`` or earlier."""
         return self._take_waiting(lambda state: state.deadline <= now)

@@ -89,8 +89,9 @@ class PromptRenderer:
         return self.encode(self.chat_text(messages, tools))
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                      images: list[ImageRef] | None = None) -> RenderedPrompt:
-        """``render_chat`` for messages that may hold images (``{"type": "image"}`` parts, refs in order)."""
+                      images: list[ImageRef] | None = None, arrived_at: float | None = None) -> RenderedPrompt:
+        """``render_chat`` for messages that may hold images (``{"type": "image"}`` parts, refs in order);
+        ``arrived_at`` (``time.monotonic()``) is when the request arrived, which image budgets count from."""
         if images:
             raise BadRequest("this model is not a vision model: it cannot take image content", param=images[0].param)
         return RenderedPrompt(tuple(self.render_chat(messages, tools)))

@@ -10,8 +10,6 @@ the encoded prompt then joins the batch like any other. Every failure names the 
 
 from __future__ import annotations
 
-import time
-
 from handler import metrics
 from handler.config import Settings
 from handler.errors import BadRequest
@@ -56,15 +54,14 @@ class VisionRenderer(PromptRenderer):
         return list(self.render_prompt(messages, tools).prompt_ids)
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                      images: list[ImageRef] | None = None) -> RenderedPrompt:
-        started = time.monotonic()  # the fetch budget counts from here, as the request's deadline does (intake)
+                      images: list[ImageRef] | None = None, arrived_at: float | None = None) -> RenderedPrompt:
         images = images or []
         if len(images) > self._max_images:
             raise BadRequest(f"the request has {len(images)} images; at most {self._max_images} are allowed "
                              "(option.max_images_per_request)", param=images[self._max_images].param)
         messages = [_as_parts(m) for m in self.with_tools(messages, tools or [])]
         # the decoded images live (and hold their share of option.image_memory_budget) until encoded
-        with self._images.load(images, started_at=started) as pictures:
+        with self._images.load(images, started_at=arrived_at) as pictures:
             try:
                 # detail "low" applies when every image asks for it: the processor takes one setting per call
                 encoded = self.encoder.encode(messages, pictures, low_detail=all(r.detail == "low" for r in images))

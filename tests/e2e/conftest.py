@@ -74,6 +74,24 @@ def start_server(tmp_path: Path, env: dict[str, str] | None = None) -> RunningSe
     return server
 
 
+def start_tiny_vlm(tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
+    """The server on the tiny Idefics3 of ``tests.vision_fixture`` (built in ``tmp_path``), fetching images from
+    loopback only (127.0.0.1 allow-listed)."""
+    from tests.vision_fixture import build_tiny_vlm  # torch: only the tests that serve a VLM pay for it
+
+    model_dir = build_tiny_vlm(tmp_path / "tiny-idefics3")
+    return start_server(tmp_path, env={"OPTION_MODEL_ID": str(model_dir), "OPTION_MAX_MODEL_LEN": "2048",
+                                       "OPTION_IMAGE_FETCH_ALLOWED_HOSTS": "127.0.0.1", **(env or {})})
+
+
+def metric(url: str, line_start: str) -> float:
+    """The value of the first /metrics line that starts with ``line_start`` (a name, with labels if any); 0 if none."""
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def stop_server(server: RunningServer, timeout: float = 40) -> int:
     if server.process.poll() is None:
         server.process.send_signal(signal.SIGTERM)

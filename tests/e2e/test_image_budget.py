@@ -11,84 +11,19 @@ them, not by timing; the only timing bound is a generous one on the budget.
 from __future__ import annotations
 
 import base64
-import http.server
-import io
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from PIL import Image
 
-from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, build_tiny_vlm
+from tests.e2e.conftest import RunningServer, metric, start_tiny_vlm, stop_server
+from tests.vision_fixture import SMOLLM2_DIR, SlowImageServer, png_bytes
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 
 FETCH_BUDGET_S = 2
-
-
-def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (30, 120, 220)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-class SlowImageServer:
-    """A loopback HTTP server: ``/sleep/<seconds>/<n>`` answers a small PNG after that long, ``/hold/<n>`` once
-    ``release`` is set. Counts the requests, those in progress and the most in progress at once."""
-
-    def __init__(self) -> None:
-        server = self
-        self.release = threading.Event()
-        self.hits = self.active = self.max_active = 0
-        self._lock = threading.Lock()
-        body = png_bytes(48, 48)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                with server._lock:
-                    server.hits += 1
-                    server.active += 1
-                    server.max_active = max(server.max_active, server.active)
-                try:
-                    parts = self.path.strip("/").split("/")
-                    if parts[0] == "hold":
-                        server.release.wait(60)
-                    else:
-                        time.sleep(float(parts[1]))
-                    self.send_response(200)
-                    self.send_header("Content-Type", "image/png")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except OSError:  # the fetcher gave up (its budget ran out)
-                    pass
-                finally:
-                    with server._lock:
-                        server.active -= 1
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{path}"
-
-    def wait_active(self, count: int, timeout: float = 60) -> None:
-        end = time.monotonic() + timeout
-        while self.active < count:
-            assert time.monotonic() < end, f"the slow server never had {count} requests in progress"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture()
@@ -100,12 +35,9 @@ def slow() -> Iterator[SlowImageServer]:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tmp = tmp_path_factory.mktemp("vlm-budget")
-    model_dir = build_tiny_vlm(tmp / "tiny-idefics3")
-    server = start_server(tmp, env={"OPTION_MODEL_ID": str(model_dir), "OPTION_IMAGE_FETCH_ALLOWED_HOSTS": "127.0.0.1",
-                                    "OPTION_MAX_MODEL_LEN": "2048", "OPTION_IMAGE_FETCH_CONCURRENCY": "2",
-                                    "OPTION_IMAGE_FETCH_BUDGET": str(FETCH_BUDGET_S),
-                                    "OPTION_IMAGE_WAIT_TIMEOUT": "0.5"})
+    server = start_tiny_vlm(tmp_path_factory.mktemp("vlm-budget"), {
+        "OPTION_IMAGE_FETCH_CONCURRENCY": "2", "OPTION_IMAGE_FETCH_BUDGET": str(FETCH_BUDGET_S),
+        "OPTION_IMAGE_WAIT_TIMEOUT": "0.5"})
     yield server
     stop_server(server)
 
@@ -120,13 +52,6 @@ def chat(vlm: RunningServer, *urls: str) -> requests.Response:
                          json={"messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
 
-def metric(vlm: RunningServer, line_start: str) -> float:
-    for line in requests.get(f"{vlm.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(line_start):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_a_requests_slow_images_are_fetched_at_once(vlm: RunningServer, slow: SlowImageServer) -> None:
     response = chat(vlm, *(slow.url(f"sleep/0.8/{i}") for i in range(3)))
     assert response.status_code == 200, response.text
@@ -135,7 +60,7 @@ def test_a_requests_slow_images_are_fetched_at_once(vlm: RunningServer, slow: Sl
 
 
 def test_the_fetch_budget_ends_the_request_with_a_400_naming_it(vlm: RunningServer, slow: SlowImageServer) -> None:
-    before = metric(vlm, 'llm_image_fetch_failures_total{reason="fetch_budget"}')
+    before = metric(vlm.url, 'llm_image_fetch_failures_total{reason="fetch_budget"}')
     started = time.monotonic()
     response = chat(vlm, slow.url("sleep/0.01/0"), slow.url("hold/1"))
     elapsed = time.monotonic() - started
@@ -144,11 +69,11 @@ def test_the_fetch_budget_ends_the_request_with_a_400_naming_it(vlm: RunningServ
     assert error["param"] == "messages[0].content[2]" and error["code"] == "fetch_budget"
     assert "option.image_fetch_budget" in error["message"] and f"{FETCH_BUDGET_S} s" in error["message"]
     assert elapsed < FETCH_BUDGET_S + 20  # generous: the budget, not the slow server (held for a minute)
-    assert metric(vlm, 'llm_image_fetch_failures_total{reason="fetch_budget"}') == before + 1
+    assert metric(vlm.url, 'llm_image_fetch_failures_total{reason="fetch_budget"}') == before + 1
 
 
 def test_past_the_workers_fetch_cap_a_request_gets_429_naming_it(vlm: RunningServer, slow: SlowImageServer) -> None:
-    before = metric(vlm, 'llm_image_rejections_total{reason="fetch_concurrency"}')
+    before = metric(vlm.url, 'llm_image_rejections_total{reason="fetch_concurrency"}')
     with ThreadPoolExecutor(1) as pool:
         holder = pool.submit(chat, vlm, slow.url("hold/0"), slow.url("hold/1"))  # takes both fetch slots
         slow.wait_active(2)
@@ -163,17 +88,17 @@ def test_past_the_workers_fetch_cap_a_request_gets_429_naming_it(vlm: RunningSer
     assert ping.status_code == 200  # the held fetches hold no thread /ping needs
     assert held.status_code == 200, held.text
     assert slow.hits == 2  # the refused request opened no connection
-    assert metric(vlm, 'llm_image_rejections_total{reason="fetch_concurrency"}') == before + 1
+    assert metric(vlm.url, 'llm_image_rejections_total{reason="fetch_concurrency"}') == before + 1
     assert chat(vlm, slow.url("sleep/0/3")).status_code == 200  # the slots came back
 
 
 def test_a_pixel_bomb_is_refused_from_its_headers_naming_the_total_pixel_limit(vlm: RunningServer) -> None:
     """8 PNGs of 6000x6000, 116 KB each: every one under option.image_max_pixels (40 M), 288 M together."""
     bomb = "data:image/png;base64," + base64.b64encode(png_bytes(6000, 6000)).decode()
-    before = metric(vlm, 'llm_image_rejections_total{reason="total_pixels"}')
+    before = metric(vlm.url, 'llm_image_rejections_total{reason="total_pixels"}')
     response = chat(vlm, *[bomb] * 8)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[2]"  # 36 M + 36 M: the second image takes the total past 64 M
     assert "option.image_max_total_pixels" in error["message"] and "288000000 pixels" in error["message"]
-    assert metric(vlm, 'llm_image_rejections_total{reason="total_pixels"}') == before + 1
+    assert metric(vlm.url, 'llm_image_rejections_total{reason="total_pixels"}') == before + 1

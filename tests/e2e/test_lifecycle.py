@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import metric, start_server, stop_server
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path):
@@ -109,14 +109,14 @@ def test_a_client_that_disconnects_frees_its_slot_without_writing(tmp_path):
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             sockets.append(sock)
         deadline = time.monotonic() + 60
-        while _gauge(server.url, "llm_running_requests") < 3 and time.monotonic() < deadline:
+        while metric(server.url, "llm_running_requests") < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         for sock in sockets:
             sock.close()
         deadline = time.monotonic() + 60  # generous; 4000 tokens each would take minutes
-        while _gauge(server.url, "llm_running_requests") > 0 and time.monotonic() < deadline:
+        while metric(server.url, "llm_running_requests") > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gauge(server.url, "llm_running_requests") == 0
+        assert metric(server.url, "llm_running_requests") == 0
     finally:
         stop_server(server)
     logged = [json.loads(line) for line in server.log().splitlines() if line.startswith("{") and '"route"' in line]
@@ -124,9 +124,3 @@ def test_a_client_that_disconnects_frees_its_slot_without_writing(tmp_path):
     assert len(aborted) == 3, server.log()[-3000:]
     assert all(entry["completion_tokens"] < 4000 for entry in aborted), aborted
 
-
-def _gauge(url: str, name: str) -> float:
-    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0

@@ -9,25 +9,17 @@ proves a refused URL never gets a connection. No traffic leaves the machine.
 from __future__ import annotations
 
 import base64
-import io
 import socket
 from collections.abc import Iterator
 
 import openai
 import pytest
 import requests
-from PIL import Image
 
-from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, ImageServer, build_tiny_vlm
+from tests.e2e.conftest import RunningServer, start_tiny_vlm, stop_server
+from tests.vision_fixture import SMOLLM2_DIR, ImageServer, png_bytes
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
-
-
-def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def data_uri(data: bytes) -> str:
@@ -52,10 +44,7 @@ def images() -> Iterator[ImageServer]:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tmp = tmp_path_factory.mktemp("vlm")
-    model_dir = build_tiny_vlm(tmp / "tiny-idefics3")
-    server = start_server(tmp, env={"OPTION_MODEL_ID": str(model_dir), "OPTION_IMAGE_FETCH_ALLOWED_HOSTS": "127.0.0.1",
-                                    "OPTION_MAX_MODEL_LEN": "2048"})
+    server = start_tiny_vlm(tmp_path_factory.mktemp("vlm"))
     yield server
     stop_server(server)
 

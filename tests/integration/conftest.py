@@ -37,6 +37,22 @@ def make_engine(loaded, max_step_tokens: int) -> Engine:
     return engine
 
 
+def engine_on_path(folder: Path, rolling_batch: str, path: str) -> Engine:
+    """A small fp32 CPU engine over ``folder``, loaded as ``option.rolling_batch`` says; asserts it took ``path``
+    (``lean`` or ``transformers``). The caller stops it."""
+    from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
+    from handler.engine.model import read_config
+
+    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
+                          rolling_batch=rolling_batch)
+    assert choose_path(options, read_config(folder))[0] == path
+    loaded = load(options, lambda: load_tokenizer(folder))[0]
+    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
+    engine.start()
+    wait_until_ready(engine, timeout=120)
+    return engine
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine.engine import Engine, EngineLimits, wait_until_ready
-from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
-from handler.engine.model import DecoderModel, build_layout, read_config
+from handler.engine.model import DecoderModel, build_layout
 from handler.engine.quantize import calibrate, smooth_and_quantize
 from handler.engine.types import GenerationRequest, StopConditions
+from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
 from tests.integration.test_reference_path import PROMPTS, reference_tokens
 from tests.tiny_checkpoints import build_tiny
@@ -125,12 +124,7 @@ def test_int8_serves_every_family_close_to_dense_and_chunking_invariant(checkpoi
 def lean_engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
     model_type, overrides = CONFIGS[request.param]
     folder = build_tiny(tmp_path_factory.mktemp(f"engine-{request.param}"), model_type, **overrides)
-    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128, rolling_batch="auto")
-    assert choose_path(options, read_config(folder))[0] == "lean"
-    loaded = load(options, lambda: load_tokenizer(folder))[0]
-    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
-    engine.start()
-    wait_until_ready(engine, timeout=120)
+    engine = engine_on_path(folder, "auto", "lean")
     yield engine, folder
     engine.stop()
 

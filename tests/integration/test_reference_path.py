@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine.engine import Engine, EngineLimits, wait_until_ready
-from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
-from handler.engine.model import read_config
 from handler.engine.types import GenerationRequest, StopConditions
+from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
 from tests.tiny_checkpoints import build_tiny
 
@@ -65,13 +63,7 @@ def engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
     forced = request.param in FORCED
     overrides = FORCED[request.param] if forced else FAMILIES[request.param]
     folder = build_tiny(tmp_path_factory.mktemp(request.param), request.param, **overrides)
-    options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
-                          rolling_batch="transformers" if forced else "auto")
-    assert choose_path(options, read_config(folder))[0] == "transformers"
-    loaded = load(options, lambda: load_tokenizer(folder))[0]
-    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
-    engine.start()
-    wait_until_ready(engine, timeout=120)
+    engine = engine_on_path(folder, "transformers" if forced else "auto", "transformers")
     yield engine, folder
     engine.stop()
 

@@ -409,17 +409,18 @@ def test_the_real_fetcher_stops_at_the_deadline_and_names_it() -> None:
 # --- the request deadline counts from arrival ---------------------------------------------------------------------
 
 
-def state(request: GenerationRequest, deadline: float) -> RequestState:
-    return RequestState(request, lambda state, index: None, deadline=deadline)
+def state(request: GenerationRequest, control: AdmissionControl) -> RequestState:
+    """As ``Engine.submit`` builds it: the deadline counted from the request's arrival when it carries one."""
+    return RequestState(request, lambda state, index: None, deadline=control.deadline(request.arrived_at))
 
 
 def test_admission_counts_the_deadline_from_arrival_when_the_request_says() -> None:
     control = AdmissionControl(lambda: Admission(timeout_s=60))
     now = time.monotonic()
-    arrived = state(GenerationRequest("a", (1, 2), arrived_at=now - 50), deadline=control.deadline())
+    arrived = state(GenerationRequest("a", (1, 2), arrived_at=now - 50), control)
     control.enqueue(arrived, lambda s: None)
     assert arrived.deadline == pytest.approx(now + 10, abs=1)
-    plain = state(GenerationRequest("b", (1, 2)), deadline=control.deadline())
+    plain = state(GenerationRequest("b", (1, 2)), control)
     control.enqueue(plain, lambda s: None)
     assert plain.deadline == pytest.approx(now + 60, abs=1)
     unlimited = AdmissionControl(lambda: Admission())
@@ -431,7 +432,7 @@ def test_chat_requests_carry_the_time_they_arrived_before_rendering() -> None:
         tool_format, tool_marker_id, has_chat_template = "hermes", None, True
         rendered_at = 0.0
 
-        def render_prompt(self, messages, tools=None, images=None) -> RenderedPrompt:
+        def render_prompt(self, messages, tools=None, images=None, arrived_at=None) -> RenderedPrompt:
             time.sleep(0.05)                           # stands in for fetching and encoding images
             Renderer.rendered_at = time.monotonic()
             return RenderedPrompt((1, 2, 3))
