@@ -75,6 +75,12 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
+    # KV-cache memory the engine may hold (issue #16): bytes ("4GiB", "512MB", 2147483648) or a fraction of the
+    # memory available after the weights load ("0.4"); default: 0.4 of it, shared by the workers. On CUDA
+    # option.gpu_memory_utilization (vLLM's and LMI's key) sets it as a fraction of the device instead.
+    kv_cache_memory: str | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enable_prefix_caching: bool = True                      # reuse whole 64-token blocks of earlier prompts
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
     # body fields this server does not declare, for the whole deployment (Azure's extra-parameters meanings); per
@@ -137,6 +143,13 @@ class Settings(BaseModel):
             raise ValueError(ROLLING_BATCH_REFUSED[value])
         raise ValueError("must be one of auto, lean, transformers")
 
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory_amount(cls, value: str | None) -> str | None:
+        if value is not None:
+            memory_amount(value)  # raises ValueError naming the accepted forms
+        return value
+
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
@@ -159,6 +172,27 @@ class Settings(BaseModel):
     def worker_timeout(self) -> int:
         """gunicorn's worker silence timeout: 120 s, or the request timeout when that is longer."""
         return max(MIN_WORKER_TIMEOUT_S, math.ceil(self.request_timeout))
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+                 "gib": 1 << 30, "tib": 1 << 40}
+
+
+def memory_amount(value: str) -> tuple[int | None, float | None]:
+    """``option.kv_cache_memory``: ``(bytes, None)`` for an amount ("4GiB", "512MB", "2147483648"), ``(None,
+    fraction)`` for a fraction of the available memory ("0.4")."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError("must be bytes (e.g. 4GiB, 512MB, 2147483648) or a fraction of the available memory "
+                         "(e.g. 0.4)")
+    number = float(match.group(1))
+    if not unit and 0 < number < 1:
+        return None, number
+    amount = int(number * _MEMORY_UNITS[unit])
+    if amount < 1 << 20:
+        raise ValueError("must be at least 1MiB (or a fraction between 0 and 1)")
+    return amount, None
 
 
 def parse_properties(text: str) -> dict[str, str]:

@@ -15,10 +15,10 @@ import dataclasses
 import time
 
 from handler.engine.types import GenerationRequest
-from handler.errors import Unprocessable
+from handler.errors import BadRequest, Unprocessable
 from handler.prompt.renderer import PromptRenderer
 from handler.protocol.chat import ChatCompletionRequest
-from handler.protocol.completions import CompletionRequest
+from handler.protocol.completions import CompletionRequest, check_token_ids
 from handler.protocol.legacy import LegacyRequest
 
 
@@ -44,10 +44,10 @@ def legacy_requests(parsed: LegacyRequest, renderer: PromptRenderer,
 def completion_requests(parsed: CompletionRequest, renderer: PromptRenderer,
                         default_temperature: float) -> list[GenerationRequest]:
     """``use_raw_prompt`` absent or true: each prompt tokenised as it is; false (Databricks): sent as one user
-    message through the chat template."""
+    message through the chat template. A token prompt goes as it is."""
     arrived_at = time.monotonic()
     parsed.check()
-    prompt_ids = [_completion_prompt(parsed, renderer, prompt) for prompt in parsed.prompts]
+    prompt_ids = [_completion_prompt(parsed, renderer, prompt, index) for index, prompt in enumerate(parsed.prompts)]
     return _arrived(parsed.to_generation_requests(prompt_ids, default_temperature), arrived_at)
 
 
@@ -55,7 +55,21 @@ def _arrived(generations: list[GenerationRequest], arrived_at: float) -> list[Ge
     return [dataclasses.replace(generation, arrived_at=arrived_at) for generation in generations]
 
 
-def _completion_prompt(parsed: CompletionRequest, renderer: PromptRenderer, prompt: str) -> list[int]:
+def echo_texts(parsed: CompletionRequest, renderer: PromptRenderer) -> tuple[str, ...]:
+    """What echo prepends to each prompt's completions: the text as sent, a token prompt's decoded text (vLLM)."""
+    if not parsed.echo:
+        return ()
+    return tuple(prompt if isinstance(prompt, str) else renderer.decode(prompt) for prompt in parsed.prompts)
+
+
+def _completion_prompt(parsed: CompletionRequest, renderer: PromptRenderer, prompt: str | list[int],
+                       index: int) -> list[int]:
+    if isinstance(prompt, list):
+        if parsed.use_raw_prompt is False:
+            raise BadRequest("use_raw_prompt: false sends a text prompt through the chat template; a token prompt "
+                             "goes to the model as it is", param="use_raw_prompt")
+        check_token_ids(prompt, renderer.vocab_size, parsed.prompt_param(index))
+        return list(prompt)
     if parsed.use_raw_prompt is not False:
         return renderer.encode(prompt, add_special_tokens=True)
     if not renderer.has_chat_template:

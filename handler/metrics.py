@@ -55,6 +55,15 @@ KV_CACHE_USED = Gauge("llm_kv_cache_used_bytes", "KV-cache bytes holding tokens 
                       multiprocess_mode="livesum")
 KV_CACHE_ALLOCATED = Gauge("llm_kv_cache_allocated_bytes", "KV-cache bytes allocated (grows with the load).",
                            multiprocess_mode="livesum")
+KV_CACHE_BUDGET = Gauge("llm_kv_cache_budget_bytes", "KV-cache bytes the engine never allocates past "
+                        "(option.kv_cache_memory).", multiprocess_mode="livesum")
+PREFIX_CACHE_QUERIES = Counter("llm_prefix_cache_queries_tokens_total",
+                               "Prompt tokens admitted to the engine (the prefix cache looked each prompt up).")
+PREFIX_CACHE_HITS = Counter("llm_prefix_cache_hits_tokens_total",
+                            "Prompt tokens whose KV came from the prefix cache instead of being computed; the hit "
+                            "rate is this over llm_prefix_cache_queries_tokens_total.")
+PREEMPTIONS = Counter("llm_preemptions_total",
+                      "Running sequences whose KV was given back for memory; each resumes by recomputing it.")
 QUEUE_REJECTIONS = Counter("llm_queue_rejections_total",
                            "Requests refused with 429 because the wait queue was full (option.max_queue_size).")
 REQUEST_TIMEOUTS = Counter("llm_request_timeouts_total",
@@ -81,6 +90,12 @@ def record_step(stats: EngineStats) -> None:
     WAITING.set(stats.num_waiting)
     KV_CACHE_USED.set(stats.kv_cache_used_bytes)
     KV_CACHE_ALLOCATED.set(stats.kv_cache_allocated_bytes)
+    KV_CACHE_BUDGET.set(stats.kv_cache_budget_bytes)
+    if stats.prefix_cache_queries:
+        PREFIX_CACHE_QUERIES.inc(stats.prefix_cache_queries)
+        PREFIX_CACHE_HITS.inc(stats.prefix_cache_hits)
+    if stats.num_preemptions:
+        PREEMPTIONS.inc(stats.num_preemptions)
     if stats.batch_size:
         BATCH_SIZE.observe(stats.batch_size)
     if stats.num_sampled:

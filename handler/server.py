@@ -172,7 +172,8 @@ class Routes:
             parsed, self._renderer(), self.service.defaults.max_new_tokens)]
         handles = self._submit_all(generations)
         p = parsed.parameters
-        ctx = self._context(LegacyContext, generations[0].request_id, None, want_logprobs=p.details,
+        ctx = self._context(LegacyContext, generations[0].request_id, None,
+                            want_logprobs=p.details or p.decoder_input_details, want_prefill=p.decoder_input_details,
                             return_full_text=p.return_full_text, want_top_tokens=bool(p.top_n_tokens))
         if parsed.stream:
             records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
@@ -190,13 +191,16 @@ class Routes:
     def _completions(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(CompletionRequest, body)
         self._note(bool(parsed.stream), body.get("prompt"))
+        renderer = self._renderer()
         generations = [extras.apply(generation) for generation in intake.completion_requests(
-            parsed, self._renderer(), self.service.defaults.temperature)]
+            parsed, renderer, self.service.defaults.temperature)]
+        echoed = intake.echo_texts(parsed, renderer)
         handles = self._submit_all(generations)
         ctx = self._context(CompletionsContext, generations[0].request_id, parsed.model,
-                            want_logprobs=parsed.logprobs is not None,
+                            want_logprobs=parsed.logprobs is not None, num_logprobs=parsed.logprobs or 0,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-                            prompt_texts=tuple(parsed.prompts), return_full_text=parsed.echo,
+                            prompt_texts=echoed, return_full_text=parsed.echo,
+                            is_echo_only=parsed.is_echo_only, num_prompt_logprobs=parsed.prompt_logprobs,
                             keep_best=parsed.n if parsed.best_of else None, suffix=parsed.suffix or "")
         if parsed.stream:
             records = completions_format.completion_chunks(handles[0], parsed.num_choices, ctx)

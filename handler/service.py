@@ -163,14 +163,16 @@ class ModelService:
     def _load(self) -> LoadedModel:
         import torch
 
-        from handler.engine.loader import LoadOptions, load, load_tokenizer
+        from handler.engine.loader import KVMemory, LoadOptions, load, load_tokenizer
 
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         resolved = resolve(self.settings, torch.cuda.is_available())
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                               self.engine.limits.max_running, self.engine.limits.max_model_len,
-                              self.settings.rolling_batch, self.settings.quantize == "dynamic_int8")
+                              self.settings.rolling_batch, self.settings.quantize == "dynamic_int8",
+                              kv_memory=KVMemory(self.settings.kv_cache_memory, self.settings.gpu_memory_utilization,
+                                                 self.settings.workers, self.settings.enable_prefix_caching))
         loaded, parts = load(options, lambda: load_tokenizer(self.settings.model_dir))
         self.renderer = self._renderer(parts.tokenizer, parts.vision)
         self.engine_path = loaded.path

@@ -46,6 +46,10 @@ class EngineStats:
     num_sampled: int                   # tokens sampled since the previous report
     kv_cache_used_bytes: int           # cache positions holding tokens of running sequences
     kv_cache_allocated_bytes: int
+    kv_cache_budget_bytes: int = 0     # what allocation never exceeds (0: the backend has no budget)
+    prefix_cache_queries: int = 0      # prompt tokens admitted since the previous report
+    prefix_cache_hits: int = 0         # of which came from a cached prefix
+    num_preemptions: int = 0           # sequences preempted for memory since the previous report
 
 
 class GenerationHandle(Protocol):

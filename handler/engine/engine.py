@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler.engine import prompt_logprobs
 from handler.engine.admission import AdmissionControl
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.constraints import GrammarCompiler
@@ -64,7 +65,7 @@ class Engine:
         self._on_failed = on_failed
         self.limits = limits
         self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
-        self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._cached_prefix_length)
+        self._scheduler = Scheduler(limits.max_running, limits.max_step_tokens, self._match_prefix)
         self._loaded: LoadedModel | None = None
         self._vocab: Vocabulary | None = None
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
@@ -77,6 +78,7 @@ class Engine:
         self._listener = on_stats
         self._last_stats: EngineStats | None = None
         self._num_sampled = 0         # tokens sampled since the last report
+        self._reported = (0, 0, 0)    # prefix-cache queries and hits, and preemptions, at the last report
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -144,6 +146,9 @@ class Engine:
                              f"{self.limits.max_running} sequences this server runs at once "
                              "(option.max_rolling_batch_size)", param="n")
         vocab = self._loaded.vocab_size if self._loaded else None
+        if vocab is not None and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:  # token prompts
+            raise BadRequest(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})",
+                             param=request.prompt_param)
         for token_id, _bias in request.sampling.logit_bias:
             if vocab is not None and not 0 <= token_id < vocab:
                 raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab - 1})",
@@ -159,6 +164,7 @@ class Engine:
             self._on_failed(self.load_error)
             return
         self._vocab = Vocabulary(self._loaded.tokenizer, self._loaded.eos_token_ids, self._loaded.special_token_ids)
+        self._scheduler.space = self._loaded.runner.space
         self._warm_up()
         self._on_ready()
         self._ready.set()
@@ -170,8 +176,8 @@ class Engine:
             self._drain_inbox(block=False)
             self._end_all(self._stop_reason)
 
-    def _cached_prefix_length(self, prompt_ids: list[int]) -> int:
-        return self._loaded.runner.cached_prefix_length(prompt_ids)
+    def _match_prefix(self, sequence: Sequence) -> None:
+        self._loaded.runner.match_prefix(sequence)
 
     def _warm_up(self) -> None:
         """Two generations before /ping says ready: one shaped like a lone chat request (the shared template
@@ -193,6 +199,7 @@ class Engine:
             while self._scheduler.has_work:
                 self.step()
         self._num_sampled = 0  # warm-up tokens are not traffic
+        self._loaded.runner.clear_prefix_cache()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -212,7 +219,7 @@ class Engine:
         if not plan.is_empty:
             self._run(plan)
         if not self._scheduler.has_running:  # also when the last running request was cancelled or expired
-            self._loaded.runner.release()
+            self._scheduler.space.release()
         return len(plan.decode)
 
     def _run(self, plan: StepPlan) -> None:
@@ -225,6 +232,7 @@ class Engine:
                     self._finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
 
     def _postprocess(self, output: StepOutput) -> None:
+        prompt_logprobs.record(output.prompt_logits, self._vocab.special_token_ids)  # before the first events
         sequences, logits = self._fork_completed_prompts(output)
         if not sequences:
             return
@@ -264,16 +272,20 @@ class Engine:
         for row, sequence in enumerate(output.sequences):
             choices = [sequence]
             if not sequence.output_ids and sequence.index == 0 and sequence.request.n > 1:
-                choices += [self._fork(sequence, i) for i in range(1, sequence.request.n)]
+                forks = [self._fork(sequence, i) for i in range(1, sequence.request.n)]
+                choices += [child for child in forks if child is not None]
             sequences += choices
             rows += [row] * len(choices)
         return sequences, output.logits[rows] if len(rows) != len(output.sequences) else output.logits
 
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
+    def _fork(self, parent: Sequence, index: int) -> Sequence | None:
+        """Choice ``index`` from a copy of the parent's prompt cache; None when memory made it wait (preempted: it
+        computes the prompt itself when it resumes)."""
         child = parent.request.new_sequence(index)
+        if not self._scheduler.place_fork(child, parent):
+            return None
         child.num_cached = parent.num_cached
-        self._scheduler.place(child)
-        self._loaded.runner.copy_slot(parent.slot, child.slot, parent.num_cached)
+        self._scheduler.space.copy(parent, child, parent.num_cached)
         return child
 
     def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
@@ -288,10 +300,7 @@ class Engine:
     def _finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
                 error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
         sequence.finish_reason = reason
-        if sequence.slot >= 0:
-            move = self._scheduler.remove(sequence)
-            if move is not None:
-                self._loaded.runner.move(move)
+        self._scheduler.remove(sequence)
         base = event or TokenEvent(index=sequence.index, token_id=None, text="")
         sequence.request.events.put(dataclasses.replace(
             base, finish_reason=reason, error=error, error_kind=error_kind if error else None,
@@ -330,6 +339,8 @@ class Engine:
         if batch_size == 0 and stats == self._last_stats:
             return
         self._num_sampled = 0
+        self._reported = (getattr(self._loaded.runner, "num_prefix_queries", 0),
+                          getattr(self._loaded.runner, "num_prefix_hits", 0), self._scheduler.num_preemptions)
         self._last_stats = stats
         try:
             self._listener(stats)
@@ -337,14 +348,19 @@ class Engine:
             log.exception("engine stats listener failed")
 
     def _stats(self, batch_size: int) -> EngineStats:
-        cache = getattr(self._loaded.runner, "cache", None)
-        per_token = cache.bytes_per_token if cache is not None else 0
-        return EngineStats(
+        runner, space = self._loaded.runner, self._scheduler.space
+        queries, hits = getattr(runner, "num_prefix_queries", 0), getattr(runner, "num_prefix_hits", 0)
+        preemptions = self._scheduler.num_preemptions
+        stats = EngineStats(
             num_running=len(self._scheduler.running_requests()),
             num_waiting=self._scheduler.num_waiting + self._inbox.qsize(),
             batch_size=batch_size, num_sampled=self._num_sampled,
-            kv_cache_used_bytes=per_token * self._scheduler.num_cached_tokens,
-            kv_cache_allocated_bytes=cache.num_bytes if cache is not None else 0)
+            kv_cache_used_bytes=getattr(space, "bytes_per_token", 0) * self._scheduler.num_cached_tokens,
+            kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
+            kv_cache_budget_bytes=getattr(space, "budget", 0),
+            prefix_cache_queries=queries - self._reported[0], prefix_cache_hits=hits - self._reported[1],
+            num_preemptions=preemptions - self._reported[2])
+        return stats
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         return Sequence.create(state, index, self._vocab, self.limits.max_model_len)

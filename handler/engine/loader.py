@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,19 +13,39 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from handler.config import memory_amount
 from handler.engine import vision
 from handler.engine.constraints import GrammarCompiler
 from handler.engine.engine import LoadedModel
+from handler.engine.kv_cache import whole_blocks
 from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.reference import ReferenceRunner
 from handler.engine.runner import ModelRunner
 from handler.engine.support import UnsupportedModel, check_lean, rope_type, tensor_names
+from handler.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """How much memory the KV cache may take (``option.kv_cache_memory``, on CUDA also
+    ``option.gpu_memory_utilization``), and whether it keeps prefixes (``option.enable_prefix_caching``)."""
+
+    amount: str | None = None          # bytes or a fraction of the available memory (``config.memory_amount``)
+    gpu_memory_utilization: float | None = None
+    workers: int = 1                   # processes sharing the machine's memory, each with its own cache
+    prefix_caching: bool = True
+
+
+# option.kv_cache_memory's default on CPU: this much of the memory available once the weights are in, shared by
+# the workers; on CUDA, vLLM's default gpu_memory_utilization
+DEFAULT_KV_FRACTION = 0.4
+DEFAULT_GPU_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +58,7 @@ class LoadOptions:
     max_model_len: int
     rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
     quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
+    kv_memory: KVMemory = KVMemory()
 
 
 def load_tokenizer(model_dir: Path):
@@ -109,7 +131,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
         raise tokenizer
-    runner = ModelRunner(model, options.max_running, options.max_model_len)
+    budget = kv_budget(options, model)
+    runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
     if encoder is None:  # a vision model's template renders through its processor
         runner.set_shared_prefix(chat_template_prefix(tokenizer))
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
@@ -194,3 +217,66 @@ def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> 
     if isinstance(result["tokenizer"], BaseException):
         raise result["tokenizer"]
     return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)
+
+
+def kv_budget(options: LoadOptions, model: DecoderModel) -> int:
+    """The KV cache's byte budget, logged; a start error (one line) when it cannot hold one sequence of the
+    context length. The default never exceeds what ``max_running`` full-length sequences would take."""
+    kv = options.kv_memory
+    per_token = model.kv_bytes_per_token()
+    ceiling = options.max_running * whole_blocks(options.max_model_len) * per_token
+    amount, fraction = memory_amount(kv.amount) if kv.amount is not None else (None, None)
+    if amount is not None:
+        budget, how = amount, "option.kv_cache_memory"
+    elif options.device == "cuda":
+        import torch
+
+        utilization = kv.gpu_memory_utilization or fraction or DEFAULT_GPU_UTILIZATION
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = int(total * utilization) - torch.cuda.memory_reserved() - ACTIVATION_RESERVE
+        how = f"{utilization:g} of the GPU's {total / 2**30:.1f} GiB less the weights"
+        budget = budget if fraction or kv.gpu_memory_utilization else min(budget, ceiling)
+    else:
+        share = (fraction or DEFAULT_KV_FRACTION) / kv.workers
+        available = available_memory()
+        budget, how = int(available * share), f"{share:.2g} of the {available / 2**30:.1f} GiB available"
+        if fraction is None:
+            budget, how = min(budget, ceiling), how + f", at most {options.max_running} full-length sequences"
+    one = model.new_space(max(budget, 1), options.max_model_len, options.max_running).bytes_for(
+        options.max_model_len)
+    if budget < one:
+        raise ConfigError(f"the KV cache budget ({budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
+                          f"option.max_model_len={options.max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
+                          "option.kv_cache_memory or lower option.max_model_len")
+    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", budget / 2**20, how, budget // per_token,
+             per_token)
+    return budget
+
+
+# bytes a CUDA step's activations may need beside the KV cache
+ACTIVATION_RESERVE = 1 << 30
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: the kernel's MemAvailable, or the cgroup's limit less its usage when a
+    container limit is lower (SageMaker and docker set one)."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            available = min(available, max(int(limit) - int(usage), 0))
+        break
+    return available

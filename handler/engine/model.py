@@ -4,7 +4,7 @@ Why not the transformers module: its forward builds masks, caches and position t
 and on a 2-core CPU that per-op overhead dominates a small model's decode step. Here a step is one pass over a
 flat batch of tokens: every Linear runs once on all rows (decode rows and prefill chunks together), and only
 attention is split, batched across all decode rows and per prefill chunk. The KV cache is slot-based
-(``kv_cache.KVCache``), so sequences join and leave without touching the others.
+(``kv_cache``), so sequences join and leave without touching the others.
 
 The weights come straight from the checkpoint's safetensors; the rotary tables come from transformers' own rotary
 module so every RoPE scaling variant the config names is honoured. ``test_model_matches_transformers`` checks the
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from handler.engine.checkpoint import read_tensors
-from handler.engine.kv_cache import KEY_BLOCK, KVCache, whole_blocks
+from handler.engine.kv_cache import KEY_BLOCK, KVCache, KVSpace, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.support import rope_layers, rope_parameters, rope_type, with_family_defaults
 
@@ -62,9 +62,11 @@ class ModelShape:
 class StepLayout:
     """Where the rows of one flat step batch go.
 
-    Rows ``[0, num_decode)`` are one token per cache slot ``0..num_decode-1``; then come the prefill chunks, each
-    ``(slot, start, length)`` with its tokens at consecutive positions, cut into ``prefill_blocks`` that never
-    cross a multiple of KEY_BLOCK. ``decode_mask`` is ``[num_decode, 1, 1, L]``, the ``prefill_masks`` one
+    Rows ``[0, num_decode)`` are one token per decoding slot, in ``decode_groups``: runs of slots the cache reads
+    as one batch, ``(handle, count)`` (the handle is the cache's: ``(first_slot, count)`` for a dense
+    ``KVCache``); then come the prefill chunks, each ``(slot, start, length)`` with its tokens at consecutive
+    positions, cut into ``prefill_blocks`` that never cross a multiple of KEY_BLOCK. ``decode_masks`` are one
+    ``[count, 1, 1, L]`` per group (L: the group's longest row, in whole KEY_BLOCKs), the ``prefill_masks`` one
     ``[1, 1, G*length, K]`` per block (G query heads share a KV head), K the block's end rounded up to whole
     KEY_BLOCKs.
 
@@ -76,8 +78,9 @@ class StepLayout:
 
     num_decode: int
     decode_positions: torch.Tensor
-    decode_mask: torch.Tensor | None
-    prefill_blocks: list[tuple[int, int, int]]
+    decode_groups: list[tuple[object, int]]
+    decode_masks: list[torch.Tensor]
+    prefill_blocks: list[tuple[object, int, int]]
     prefill_masks: list[torch.Tensor]
 
 
@@ -213,8 +216,18 @@ class DecoderModel:
         s = self.shape
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, max_slots, max_len)
 
+    def new_space(self, budget: int, max_len: int, max_slots: int, prefix_caching: bool = True) -> KVSpace:
+        """The engine's budgeted KV memory (``kv_cache.KVSpace``)."""
+        s = self.shape
+        return KVSpace(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, budget=budget,
+                       max_len=max_len, max_slots=max_slots, prefix_caching=prefix_caching)
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.embed.element_size()
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout, cache: KVCache | KVSpace,
                 logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]``.
 
@@ -229,7 +242,7 @@ class DecoderModel:
         return self.lm_head(x).float()
 
     def _pre_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
-                         cache: KVCache) -> torch.Tensor:
+                         cache: KVCache | KVSpace) -> torch.Tensor:
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
@@ -240,7 +253,7 @@ class DecoderModel:
         return x
 
     def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
-                          cache: KVCache) -> torch.Tensor:
+                          cache: KVCache | KVSpace) -> torch.Tensor:
         """olmo2: each sublayer reads the residual stream itself and its output is normed before the add."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
@@ -251,15 +264,16 @@ class DecoderModel:
         return x
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
-                   cache: KVCache) -> torch.Tensor:
+                   cache: KVCache | KVSpace) -> torch.Tensor:
         s = self.shape
         rows = q.shape[0]
         out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
-        n = layout.num_decode
-        if n:
-            cache.write_decode(layer, k[:n], v[:n], layout.decode_positions)
-            out[:n] = self._decode_attention(q[:n], layer, layout, cache)
-        row = n
+        row = 0
+        for (group, count), mask in zip(layout.decode_groups, layout.decode_masks, strict=True):
+            rows = slice(row, row + count)
+            cache.write_decode(layer, group, k[rows], v[rows], layout.decode_positions[rows])
+            out[rows] = self._decode_attention(q[rows], layer, group, mask, cache)
+            row += count
         for (slot, start, length), mask in zip(layout.prefill_blocks, layout.prefill_masks, strict=True):
             block = slice(row, row + length)
             cache.write_prefill(layer, slot, start, k[block], v[block])
@@ -267,19 +281,20 @@ class DecoderModel:
             row += length
         return out
 
-    def _decode_attention(self, q: torch.Tensor, layer: int, layout: StepLayout, cache: KVCache) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, layer: int, group: object, mask: torch.Tensor,
+                          cache: KVCache | KVSpace) -> torch.Tensor:
         n, s = q.shape[0], self.shape
         groups = s.num_heads // s.num_kv_heads
-        keys, values = cache.view(layer, 0, n, layout.decode_mask.shape[-1])  # [n, kv_heads, L, head_dim]
+        keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
         # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, layout.decode_mask)
+        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask)
         return out.reshape(n, s.num_heads * s.head_dim)
 
-    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: int, length: int, mask: torch.Tensor,
-                           cache: KVCache) -> torch.Tensor:
+    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,
+                           cache: KVCache | KVSpace) -> torch.Tensor:
         t, s = q.shape[0], self.shape
         groups = s.num_heads // s.num_kv_heads
-        keys, values = cache.view(layer, slot, slot + 1, length)  # [1, kv_heads, length, head_dim]
+        keys, values = cache.prefill_view(layer, slot, length)  # [1, kv_heads, length, head_dim]
         q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
         out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
@@ -358,23 +373,28 @@ def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
-def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[int, int, int]], groups: int,
-                 device: torch.device) -> StepLayout:
-    """Positions tensor and attention masks (0 where a query may attend, -inf elsewhere) for one step. Decode
-    attention reads the longest decode row's keys rounded up to whole KEY_BLOCKs (the rest are masked out)."""
+def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[object, int, int]], groups: int,
+                 device: torch.device, decode_groups: list[tuple[object, int]] | None = None) -> StepLayout:
+    """Positions tensor and attention masks (0 where a query may attend, -inf elsewhere) for one step. Each decode
+    group's attention reads its longest row's keys rounded up to whole KEY_BLOCKs (the rest are masked out).
+    Without ``decode_groups`` the decode rows are slots ``0..n-1`` of a dense ``KVCache``."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
-    decode_mask = None
-    if num_decode:
-        keys = torch.arange(whole_blocks(max(decode_positions) + 1), device=device)
-        decode_mask = _additive(keys <= positions[:, None]).view(num_decode, 1, 1, -1)
+    if decode_groups is None:
+        decode_groups = [((0, num_decode), num_decode)] if num_decode else []
+    decode_masks, row = [], 0
+    for _handle, count in decode_groups:
+        rows = positions[row:row + count]
+        keys = torch.arange(whole_blocks(max(decode_positions[row:row + count]) + 1), device=device)
+        decode_masks.append(_additive(keys <= rows[:, None]).view(count, 1, 1, -1))
+        row += count
     blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
     masks = []
     for _slot, start, length in blocks:
         query_pos = torch.arange(start, start + length, device=device).repeat(groups)  # (group, t) order
         keys = torch.arange(whole_blocks(start + length), device=device)
         masks.append(_additive(keys <= query_pos[:, None]).view(1, 1, groups * length, -1))
-    return StepLayout(num_decode, positions, decode_mask, blocks, masks)
+    return StepLayout(num_decode, positions, decode_groups, decode_masks, blocks, masks)
 
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
@@ -382,7 +402,7 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, float("-inf"))
 
 
-def _key_blocks(slot: int, start: int, length: int) -> list[tuple[int, int, int]]:
+def _key_blocks(slot: object, start: int, length: int) -> list[tuple[object, int, int]]:
     """A prefill chunk cut where its positions cross a multiple of KEY_BLOCK."""
     blocks, end = [], start + length
     while start < end:

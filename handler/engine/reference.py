@@ -16,17 +16,37 @@ from pathlib import Path
 
 import torch
 
+from handler.engine import prompt_logprobs
 from handler.engine.runner import StepOutput, advance
-from handler.engine.scheduler import SlotMove, StepPlan
+from handler.engine.scheduler import StepPlan, Unbounded
+from handler.engine.sequence import Sequence
+
+
+class _OwnCaches(Unbounded):
+    """The reference path's KV space: each running sequence's own transformers cache, unbounded."""
+
+    def __init__(self) -> None:
+        self.caches: dict[Sequence, object] = {}
+
+    def free(self, owner: Sequence) -> None:
+        self.caches.pop(owner, None)
+
+    def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
+        """Give a forked choice its own copy of the prompt's cache."""
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+
+    def release(self) -> None:
+        self.caches.clear()
 
 
 class ReferenceRunner:
-    prefix_ids: tuple[int, ...] = ()  # no shared-prefix cache: every prompt is computed whole
+    prefix_ids: tuple[int, ...] = ()  # no prefix cache: every prompt is computed whole
 
     def __init__(self, model) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self._caches: dict[int, object] = {}  # slot -> that sequence's transformers cache
+        self.space = _OwnCaches()
+        self._caches = self.space.caches  # sequence -> its transformers cache
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> ReferenceRunner:
@@ -39,48 +59,46 @@ class ReferenceRunner:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
-    def cached_prefix_length(self, prompt_ids: list[int]) -> int:
-        return 0
+    def match_prefix(self, sequence: Sequence) -> None:
+        return None
+
+    def clear_prefix_cache(self) -> None:
+        return None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
-        rows, sequences = [], []
+        rows, sequences, scored = [], [], []
         for sequence in plan.decode:
             if not sequence.is_prefilling:  # a prefilling sequence's decode row only holds its slot's place
-                rows.append(self._forward(sequence.slot, [sequence.next_token], sequence.num_cached))
+                rows.append(self._forward(sequence, [sequence.next_token], sequence.num_cached)[-1])
                 sequences.append(sequence)
         for sequence, start, length in plan.prefill:
             if start == 0:
-                self._caches[sequence.slot] = self._new_cache()
-            logits = self._forward(sequence.slot, sequence.prompt_ids[start:start + length], start)
-            if start + length == sequence.num_prompt_tokens:
-                rows.append(logits)
+                self._caches[sequence] = self._new_cache()
+            scoring = sequence.wants_prompt_logprobs
+            wanted = len(prompt_logprobs.scored_rows(sequence, start, length, 0)) if scoring else 0
+            logits = self._forward(sequence, sequence.tokens(start, start + length), start, 0 if wanted else 1)
+            if wanted:  # the rows that score the prompt, from the same forward
+                scored.append((sequence, start, logits[:wanted].float()))
+            if start + length == sequence.prefill_target:
+                rows.append(logits[-1])
                 sequences.append(sequence)
         advance(plan)
         logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
-        return StepOutput(sequences, logits)
+        return StepOutput(sequences, logits, scored)
 
     def _new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def _forward(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """The last position's logits after feeding ``token_ids`` at positions ``start..`` into the slot's cache."""
+    def _forward(self, sequence: Sequence, token_ids: list[int], start: int, keep: int = 1) -> torch.Tensor:
+        """The last ``keep`` positions' logits (0: every position's), ``[rows, vocab]``, after feeding ``token_ids``
+        at positions ``start..`` into the slot's cache."""
         positions = torch.arange(start, start + len(token_ids), device=self.device)
-        output = self.model(input_ids=torch.tensor([token_ids], device=self.device), past_key_values=self._caches[slot],
-                            cache_position=positions, position_ids=positions[None], use_cache=True, logits_to_keep=1)
-        self._caches[slot] = output.past_key_values
-        return output.logits[0, -1]
-
-    def move(self, move: SlotMove) -> None:
-        self._caches[move.dst] = self._caches.pop(move.src)
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Give a forked choice its own copy of the prompt's cache."""
-        self._caches[dst] = copy.deepcopy(self._caches[src])
-
-    def release(self) -> None:
-        self._caches.clear()
-
+        output = self.model(input_ids=torch.tensor([token_ids], device=self.device),
+                            past_key_values=self._caches[sequence],
+                            cache_position=positions, position_ids=positions[None], use_cache=True, logits_to_keep=keep)
+        self._caches[sequence] = output.past_key_values
+        return output.logits[0]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from handler.engine import prompt_logprobs
+from handler.engine.kv_cache import KEY_BLOCK, block_keys
 from handler.engine.model import DecoderModel, build_layout
-from handler.engine.scheduler import SlotMove, StepPlan
+from handler.engine.scheduler import StepPlan
 from handler.engine.sequence import Sequence
 
 
@@ -17,19 +21,28 @@ class StepOutput:
 
     sequences: list[Sequence]
     logits: torch.Tensor  # [len(sequences), vocab] fp32
+    # prefill chunks that score their prompt: (sequence, chunk start, logits [rows, vocab] of positions start, ...)
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, max_slots: int, max_len: int) -> None:
+    """The lean model over the engine's budgeted KV memory (``kv_cache.KVSpace``): the scheduler places sequences
+    in ``space``; the runner fills and reads their slots, copies cached prefixes in and offers whole prefilled
+    blocks to the prefix store."""
+
+    def __init__(self, model: DecoderModel, max_slots: int, max_len: int, budget: int,
+                 prefix_caching: bool = True) -> None:
         self.model = model
-        self.cache = model.new_cache(max_slots, max_len)
+        self.space = model.new_space(budget, max_len, max_slots, prefix_caching)
         self.groups = model.shape.num_heads // model.shape.num_kv_heads
         self.prefix_ids: tuple[int, ...] = ()
         self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.num_prefix_queries = 0   # prompt tokens admitted, and how many of them came from a cached prefix
+        self.num_prefix_hits = 0
 
     def set_shared_prefix(self, prefix_ids: list[int]) -> None:
         """Compute once the KV of a prefix most prompts share (the chat template's opening and default system
-        prompt); prompts that start with it copy it into their slot instead of prefilling it."""
+        prompt, often shorter than a block); prompts that start with it copy it into their slot."""
         if len(prefix_ids) < 2:
             return
         scratch = self.model.new_cache(1, len(prefix_ids))
@@ -39,14 +52,42 @@ class ModelRunner:
         self.model.forward(torch.tensor(prefix_ids, device=device), torch.arange(len(prefix_ids), device=device),
                            layout, scratch, torch.tensor([len(prefix_ids) - 1], device=device))
         self.prefix_ids = tuple(prefix_ids)
-        self.prefix_kv = (scratch.keys[:, 0].clone(), scratch.values[:, 0].clone())
+        self.prefix_kv = scratch.read(0, 0, len(prefix_ids))
 
-    def cached_prefix_length(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of a prompt the shared prefix covers (always leaving one to compute)."""
-        n = len(self.prefix_ids)
-        if n and len(prompt_ids) > n and tuple(prompt_ids[:n]) == self.prefix_ids:
-            return n
-        return 0
+    def match_prefix(self, sequence: Sequence) -> None:
+        """At admission: the longest cached prefix of what the sequence will prefill (whole blocks from the prefix
+        store, or the shared template prefix), always leaving one token to compute. Not for a prompt whose own
+        logprobs are asked: those need every position's logits."""
+        target = sequence.prefill_target
+        if sequence.wants_prompt_logprobs:
+            return
+        hit, source = 0, None
+        store = self.space.prefixes
+        if store.enabled and target > KEY_BLOCK:
+            blocks = store.match(self.block_keys(sequence, (target - 1) // KEY_BLOCK))
+            hit, source = len(blocks) * KEY_BLOCK, blocks
+        shared = len(self.prefix_ids)
+        if hit < shared < target and tuple(sequence.tokens(0, shared)) == self.prefix_ids:
+            hit, source = shared, [self.prefix_kv]
+        sequence.num_cached = sequence.num_cached_prefix = hit
+        sequence.prefix_kv = source if hit else None
+        self.num_prefix_queries += target
+        self.num_prefix_hits += hit
+
+    def block_keys(self, sequence: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache keys of the sequence's first ``count`` whole blocks (computed once, as they are
+        needed); a block holding image features hashes them too."""
+        keys = sequence.block_keys
+        if count > len(keys):
+            embeds = sequence.request.request.prompt_embeds
+            extra = None if embeds is None else partial(_embeds_digest, embeds)
+            keys += block_keys(sequence.tokens(0, count * KEY_BLOCK), len(keys), count - len(keys),
+                               keys[-1] if keys else b"", extra)
+        return keys[:count]
+
+    def clear_prefix_cache(self) -> None:
+        self.space.prefixes.clear()
+        self.num_prefix_queries = self.num_prefix_hits = 0
 
     def run(self, plan: StepPlan) -> StepOutput:
         tokens = [s.next_token for s in plan.decode]
@@ -58,39 +99,45 @@ class ModelRunner:
                 sequences.append(sequence)
         row = len(tokens)
         embeds = []
+        scored = []  # (sequence, start, rows) of the chunks that score their prompt
         for sequence, start, length in plan.prefill:
+            if sequence.wants_prompt_logprobs:
+                scored.append((sequence, start, prompt_logprobs.scored_rows(sequence, start, length, row)))
             embeds += _chunk_embeds(sequence, start, length, row)
-            tokens.extend(sequence.prompt_ids[start:start + length])
+            tokens.extend(sequence.tokens(start, start + length))
             positions.extend(range(start, start + length))
-            chunks.append((sequence.slot, start, length))
+            chunks.append((sequence.kv_slot, start, length))
             row += length
-            if start + length == sequence.num_prompt_tokens:
+            if start + length == sequence.prefill_target:
                 logit_rows.append(row - 1)
                 sequences.append(sequence)
-        # attention reads whole key blocks (the cache rounds up to them): a row's result then does not depend on
-        # how long its neighbours are, and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
-        self.cache.ensure(len(plan.decode), max(p + 1 for p in positions))
-        for sequence, start, _length in plan.prefill:
-            if start and start == sequence.num_cached_prefix:  # first chunk after the shared prefix
-                self.cache.load(sequence.slot, *self.prefix_kv)
+            if sequence.prefix_kv is not None and start == sequence.num_cached_prefix:  # its first chunk
+                self.space.load_prefix(sequence, sequence.prefix_kv)
+                sequence.prefix_kv = None
         device = self.model.device
-        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device)
+        logit_rows += [r for _sequence, _start, rows in scored for r in rows]
+        # attention reads whole key blocks: a row's result then does not depend on how long its neighbours are,
+        # and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
+        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device,
+                              self.space.decode_groups(plan.decode))
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                    layout, self.cache, torch.tensor(logit_rows, dtype=torch.long, device=device),
+                                    layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
                                     _join_embeds(embeds, device))
         advance(plan)
-        return StepOutput(sequences, logits.cpu())
+        if self.space.prefixes.enabled:
+            for sequence, _start, _length in plan.prefill:
+                self._store_blocks(sequence)
+        num_sampled = len(sequences)
+        return StepOutput(sequences, logits[:num_sampled].cpu(), prompt_logprobs.split(scored, logits[num_sampled:]))
 
-    def move(self, move: SlotMove) -> None:
-        self.cache.move(move.src, move.dst, move.length)
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Give a forked choice its own copy of the prompt's cache."""
-        self.cache.ensure(dst + 1, length)
-        self.cache.move(src, dst, length)
-
-    def release(self) -> None:
-        self.cache.release()
+    def _store_blocks(self, sequence: Sequence) -> None:
+        """Offer the prefix store the whole blocks this sequence's prefill has computed so far (never decoded
+        ones: a cached block is then exactly what a prefill of the same tokens computes)."""
+        count = min(sequence.num_cached, sequence.prefill_target) // KEY_BLOCK
+        if count > sequence.num_stored_blocks:
+            keys = self.block_keys(sequence, count)[sequence.num_stored_blocks:]
+            self.space.store_blocks(sequence, keys, sequence.num_stored_blocks)
+            sequence.num_stored_blocks = count
 
 
 def advance(plan: StepPlan) -> None:
@@ -100,6 +147,8 @@ def advance(plan: StepPlan) -> None:
             sequence.num_cached += 1
     for sequence, _start, length in plan.prefill:
         sequence.num_cached += length
+        if sequence.resuming and sequence.num_cached == sequence.prefill_target:
+            sequence.resuming = False  # caught up: it decodes from here
 
 
 def _chunk_embeds(sequence: Sequence, start: int, length: int, first_row: int) -> list[tuple[list[int], torch.Tensor]]:
@@ -117,3 +166,13 @@ def _join_embeds(embeds: list[tuple[list[int], torch.Tensor]], device: torch.dev
     rows = [r for chunk_rows, _values in embeds for r in chunk_rows]
     values = torch.cat([values for _rows, values in embeds]).to(device)
     return torch.tensor(rows, dtype=torch.long, device=device), values
+
+
+def _embeds_digest(embeds, block: int) -> bytes:
+    """A digest of the image features inside prompt block ``block`` (b"" when it has none)."""
+    offsets, values = embeds.in_chunk(block * KEY_BLOCK, KEY_BLOCK)
+    if not offsets:
+        return b""
+    digest = hashlib.blake2b(bytes(str(offsets), "ascii"), digest_size=16)
+    digest.update(values.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.digest()

@@ -1,14 +1,21 @@
-"""Which sequences run in the next step, and which cache slot each one holds.
+"""Which sequences run in the next step, where their KV lives, and who waits.
 
-Every step decodes one token for every running sequence, and spends what is left of the per-step token budget
-on prompt prefill: first for sequences whose long prompt is part-way through (chunked prefill), then for new
-requests, oldest first, while slots are free. Running sequences hold slots ``0..n-1`` with no holes: when one
-leaves, the last slot's sequence moves into its place. Waiting requests that are cancelled or past their deadline
-are taken out of the queue here; the engine ends them.
+Every step decodes one token for every running sequence and spends what is left of the per-step token budget on
+prefill. Prefill goes to the cheapest work first (fewest tokens left to compute, then the oldest), so a short
+request's first token waits a step or two behind a long prompt rather than its whole prefill; the oldest piece of
+work is served first with a quarter of the budget, so a stream of short requests cannot starve a long one.
+
+Memory is the KV space's (``kv_cache.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a request
+is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has no room,
+the newest running sequences are preempted (their slots freed; they wait at the front and recompute what they had
+when memory frees up), never an out-of-memory and never a lost request. While the oldest waiting work does not fit,
+nothing newer is admitted past it. Waiting requests that are cancelled or past their deadline are taken out of the
+queue here; the engine ends them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +29,8 @@ _MIN_PREFILL_TOKENS = 32
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step: a decode row for every slot (in slot order), then prefill chunks ``(sequence, start, length)``."""
+    """One step: a decode row for every running sequence (in the KV space's order; a sequence still prefilling
+    holds its row's place), then prefill chunks ``(sequence, start, length)``."""
 
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]
@@ -32,89 +40,177 @@ class StepPlan:
         return not self.decode and not self.prefill
 
 
-@dataclass(slots=True, frozen=True)
-class SlotMove:
-    src: int
-    dst: int
-    length: int
+class Unbounded:
+    """The KV space of a runner that keeps each sequence's cache itself: every sequence fits."""
+
+    def fits(self, length: int, count: int = 1) -> bool:
+        return True
+
+    def place(self, owner: Sequence, length: int) -> bool:
+        return True
+
+    def grow(self, owner: Sequence, length: int) -> bool:
+        return True
+
+    def free(self, owner: Sequence) -> None:
+        return None
+
+    def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+    def sort_key(self, owner: Sequence) -> tuple[int, int]:
+        return owner.order
 
 
 class Scheduler:
     def __init__(self, max_running: int, max_step_tokens: int,
-                 cached_prefix_length: Callable[[list[int]], int] = lambda ids: 0) -> None:
+                 match_prefix: Callable[[Sequence], None] = lambda sequence: None) -> None:
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
-        self.cached_prefix_length = cached_prefix_length
+        self.match_prefix = match_prefix   # sets a new sequence's num_cached from a cached prefix
+        self.space = Unbounded()
         self.waiting: deque[RequestState] = deque()
-        self.slots: list[Sequence] = []
+        self.preempted: list[Sequence] = []  # to resume, oldest first
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.slots)
+        return bool(self.waiting or self.running or self.preempted)
 
     @property
     def has_running(self) -> bool:
-        return bool(self.slots)
+        return bool(self.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.preempted)
 
     @property
     def num_cached_tokens(self) -> int:
         """Cache positions that running sequences hold."""
-        return sum(s.num_cached for s in self.slots)
+        return sum(s.num_cached for s in self.running)
 
     @property
     def num_reserved(self) -> int:
-        """Slots held now plus those the prefilling requests will fork into."""
-        return sum(s.request.n if s.is_prefilling else 1 for s in self.slots)
+        """Sequences running now plus the choices prefilling requests will fork into."""
+        return sum(_choices(s) for s in self.running)
 
     def add(self, state: RequestState) -> None:
+        state.order = next(self._arrivals)
         self.waiting.append(state)
 
+    # ---- a step --------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        budget = max(self.max_step_tokens - len(self.slots), _MIN_PREFILL_TOKENS)
-        prefill = []
-        for sequence in self.slots:
-            if sequence.is_prefilling and budget > 0:
-                length = min(sequence.num_prompt_tokens - sequence.num_cached, budget)
-                prefill.append((sequence, sequence.num_cached, length))
+        self._grow_decoding()
+        budget = max(self.max_step_tokens - len(self.running), _MIN_PREFILL_TOKENS)
+        chunks: dict[Sequence, int] = {}
+        work = [s for s in self.running if s.is_prefilling] + list(self.preempted) + list(self.waiting)
+        oldest = min(work, key=_order, default=None)
+        blocked = False
+        # the oldest piece of work first, with a quarter of the budget; then everything cheapest first
+        for item, share in [(oldest, max(budget // 4, 1))] + [(item, budget) for item in sorted(work, key=_cost)]:
+            if item is None or budget <= 1:
+                continue
+            sequence = item if isinstance(item, Sequence) else (item.sequences[0] if item.sequences else None)
+            if sequence is None or sequence not in self.running:
+                if blocked:
+                    continue
+                sequence = self._admit(item)
+                if sequence is None:
+                    blocked = True  # nothing newer is admitted past the oldest work that does not fit
+                    continue
+                budget -= 1  # its decode row (a placeholder while it prefills)
+            done = sequence.num_cached + chunks.get(sequence, 0)
+            length = min(sequence.prefill_target - done, share, budget)
+            if length > 0:
+                chunks[sequence] = chunks.get(sequence, 0) + length
                 budget -= length
-        while self.waiting and budget > 1 and self.num_reserved + self.waiting[0].n <= self.max_running:
-            sequence = self._admit(self.waiting.popleft())
-            length = min(sequence.num_prompt_tokens - sequence.num_cached, budget - 1)
-            prefill.append((sequence, sequence.num_cached, length))
-            budget -= length + 1  # its slot also gets a (placeholder) decode row this step
-        return StepPlan(decode=list(self.slots), prefill=prefill)
+        prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
+        return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
 
-    def _admit(self, state: RequestState) -> Sequence:
-        sequence = state.new_sequence(0)
-        sequence.num_cached = sequence.num_cached_prefix = self.cached_prefix_length(sequence.prompt_ids)
-        self.place(sequence)
+    def _grow_decoding(self) -> None:
+        """Every decoding sequence gets room for the position it computes next; the newest give way."""
+        for sequence in sorted(self.running, key=_order):
+            if sequence.is_prefilling or sequence not in self.running:
+                continue
+            while not self.space.grow(sequence, sequence.num_cached + 1):
+                victim = max(self.running, key=_order)
+                self.preempt(victim)
+                if victim is sequence:
+                    break
+
+    def _admit(self, item: RequestState | Sequence) -> Sequence | None:
+        """A waiting request's first sequence, or a preempted one, with its slot; None when it does not fit."""
+        if isinstance(item, Sequence):
+            if len(self.running) + 1 > self.max_running:
+                return None
+            sequence = item
+            sequence.resume()
+        else:
+            if self.num_reserved + item.n > self.max_running:
+                return None
+            if not self.space.fits(item.num_prompt_tokens + 1):
+                return None
+            sequence = item.new_sequence(0)
+        if not sequence.wants_prompt_logprobs:  # a cached prefix would skip the rows that score the prompt
+            self.match_prefix(sequence)
+        if not self.space.place(sequence, sequence.prefill_target + 1):
+            sequence.num_cached = sequence.num_cached_prefix = 0
+            sequence.prefix_kv = None
+            if item is not sequence:
+                item.sequences.remove(sequence)
+            return None
+        if item is sequence:
+            self.preempted.remove(sequence)
+        else:
+            self.waiting.remove(item)
+        self.running.append(sequence)
         return sequence
 
-    def place(self, sequence: Sequence) -> None:
-        sequence.slot = len(self.slots)
-        self.slots.append(sequence)
+    def place_fork(self, child: Sequence, parent: Sequence) -> bool:
+        """A forked choice's slot (the engine copies the prompt's KV into it). Newer sequences give way; when
+        nothing can, the child waits preempted and computes the prompt itself later."""
+        while not self.space.place(child, parent.num_cached + 1):
+            victims = [s for s in self.running if s.request is not parent.request]
+            if not victims:
+                child.preempted()
+                self.preempted.append(child)
+                self.preempted.sort(key=_order)
+                return False
+            self.preempt(max(victims, key=_order))
+        self.running.append(child)
+        return True
 
-    def remove(self, sequence: Sequence) -> SlotMove | None:
-        """Free a finished sequence's slot; returns the cache copy that keeps the slots contiguous."""
-        hole, last = sequence.slot, self.slots.pop()
-        sequence.slot = -1
-        if last is sequence:
-            return None
-        self.slots[hole] = last
-        last.slot = hole
-        return SlotMove(src=len(self.slots), dst=hole, length=last.num_cached)
+    def preempt(self, sequence: Sequence) -> None:
+        """Take a running sequence's slot back; it resumes before any waiting request once memory allows."""
+        self.running.remove(sequence)
+        self.space.free(sequence)
+        sequence.preempted()
+        self.preempted.append(sequence)
+        self.preempted.sort(key=_order)
+        self.num_preemptions += 1
 
+    def remove(self, sequence: Sequence) -> None:
+        """A finished sequence leaves (running or preempted)."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self.space.free(sequence)
+        elif sequence in self.preempted:
+            self.preempted.remove(sequence)
+
+    # ---- queries and queue surgery --------------------------------------------------------------------------
     def running_sequences(self) -> list[Sequence]:
-        """The running sequences in slot order (a copy: finishing one moves another into its slot)."""
-        return list(self.slots)
+        """Every started, unfinished sequence: running, then preempted (a copy: finishing one changes the lists)."""
+        return self.running + self.preempted
 
     def running_requests(self) -> list[RequestState]:
-        """The requests holding slots, each once, in the order of their first slot."""
-        return list(dict.fromkeys(s.request for s in self.slots))
+        """The requests with started sequences, each once."""
+        return list(dict.fromkeys(s.request for s in self.running_sequences()))
 
     def take_cancelled_waiting(self) -> list[RequestState]:
         return self._take_waiting(lambda state: state.cancelled.is_set())
@@ -135,3 +231,19 @@ class Scheduler:
             (taken if is_taken(state) else kept).append(state)
         self.waiting = kept
         return taken
+
+
+def _choices(sequence: Sequence) -> int:
+    """Slots a running sequence stands for: a request's first choice, before its prompt completes, all n."""
+    return sequence.request.n if sequence.index == 0 and not sequence.output_ids and sequence.is_prefilling else 1
+
+
+def _order(item: RequestState | Sequence) -> tuple[int, int]:
+    return item.order if isinstance(item, Sequence) else (item.order, 0)
+
+
+def _cost(item: RequestState | Sequence) -> tuple[int, tuple[int, int]]:
+    """Tokens left to prefill (a waiting request's whole prompt), then age."""
+    if isinstance(item, Sequence):
+        return item.prefill_target - item.num_cached, item.order
+    return item.num_prompt_tokens, (item.order, 0)

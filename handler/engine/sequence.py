@@ -16,9 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from handler.engine import prompt_logprobs
 from handler.engine.detokenizer import IncrementalDetokenizer
+from handler.engine.kv_cache import SlotRef
 from handler.engine.sampler import RowState
-from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
+from handler.engine.types import (
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    PromptLogprob,
+    StopConditions,
+    TokenEvent,
+    TopLogprob,
+)
 
 _POLL_SECONDS = 1.0
 
@@ -44,16 +54,24 @@ class Accepted:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One choice of one request: its tokens, its cache slot and how far its prompt is cached."""
+    """One choice of one request: its tokens, its cache slot and how far its tokens are cached.
+
+    A sequence prefills up to ``prefill_target``: its prompt, or after it was preempted (its slot taken back for
+    memory) its prompt and every token it had generated, recomputed; the logits of that prefill's last position are
+    those the next decode step would have given, so it goes on sampling as if never interrupted."""
 
     request: RequestState
     index: int
     row: RowState
     detokenizer: IncrementalDetokenizer
     max_new_tokens: int
-    slot: int = -1
+    kv_slot: SlotRef | None = None   # its place in the engine's KV memory (None: not running)
     num_cached: int = 0
-    num_cached_prefix: int = 0       # leading prompt tokens whose KV comes from the runner's shared-prefix cache
+    num_cached_prefix: int = 0       # leading tokens whose KV was copied in (prefix cache), not computed
+    prefix_kv: object = None         # what to copy in: the runner's, set when the sequence is admitted
+    resuming: bool = False           # recomputing its prompt and output after a preemption
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its whole blocks, as known
+    num_stored_blocks: int = 0       # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     vocab: Vocabulary | None = None  # set by ``create``; only sequences that accept tokens need it
 
@@ -87,8 +105,33 @@ class Sequence:
         return len(self.row.prompt_ids)
 
     @property
+    def prefill_target(self) -> int:
+        return self.num_tokens if self.resuming else self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill scores the prompt (the request asked; a sequence resumed with output has them already)."""
+        return self.request.request.prompt_logprobs is not None and not self.output_ids
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_cached < self.num_prompt_tokens
+        return self.num_cached < self.prefill_target
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Older requests first, then lower choice indexes: the reverse of preemption's order."""
+        return self.request.order, self.index
+
+    def token_at(self, position: int) -> int:
+        prompt = self.row.prompt_ids
+        return prompt[position] if position < len(prompt) else self.row.output_ids[position - len(prompt)]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` of the prompt followed by the output."""
+        prompt = self.row.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.row.output_ids)[start:end]
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +140,17 @@ class Sequence:
     @property
     def next_token(self) -> int:
         """The token whose KV the next decode step computes (a placeholder while prefilling)."""
-        return self.output_ids[-1] if not self.is_prefilling else self.prompt_ids[self.num_cached]
+        return self.output_ids[-1] if not self.is_prefilling else self.token_at(self.num_cached)
+
+    def preempted(self) -> None:
+        """Its slot was taken back: it computes everything again when it resumes (``resume``)."""
+        self.kv_slot, self.num_cached, self.num_cached_prefix, self.prefix_kv = None, 0, 0, None
+        self.num_stored_blocks = 0
+
+    def resume(self) -> None:
+        """Readmitted after a preemption: prefill its prompt and whatever it had generated (a token sampled in
+        the step that preempted it included)."""
+        self.resuming = bool(self.output_ids)
 
     def accept(self, token_id: int, logprob: float, top_logprobs: tuple[TopLogprob, ...]) -> Accepted:
         """Append a sampled token, advance the grammar, and release the token's text; say whether the choice ends."""
@@ -112,8 +165,10 @@ class Sequence:
         reason = self._finish_reason(token_id, is_complete, hit_stop_string)
         if reason is not None and reason is not FinishReason.STOP:
             text += self.detokenizer.flush()
+        prompt = prompt_logprobs.of_request(self.request) if len(self.output_ids) == 1 else ()  # the first event's
         event = TokenEvent(index=self.index, token_id=token_id, text=text, logprob=logprob,
-                           top_logprobs=top_logprobs, is_special=token_id in self.vocab.special_token_ids)
+                           top_logprobs=top_logprobs, is_special=token_id in self.vocab.special_token_ids,
+                           prompt_logprobs=prompt)
         return Accepted(event, reason)
 
     def _text(self, token_id: int, is_eos: bool) -> tuple[str, bool]:
@@ -146,6 +201,8 @@ class RequestState:
     cancelled: threading.Event = field(default_factory=threading.Event)
     sequences: list[Sequence] = field(default_factory=list)
     is_expired: bool = False
+    prompt_logprobs: dict[int, PromptLogprob] = field(default_factory=dict)  # by prompt position, as prefill scores
+    order: int = 0                     # the scheduler's arrival number
 
     @property
     def n(self) -> int:

@@ -104,6 +104,9 @@ class GenerationRequest:
     stop: StopConditions = field(default_factory=StopConditions)
     n: int = 1
     num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
+    # the prompt's own logprobs (echo with logprobs, vLLM's prompt_logprobs, TGI's decoder_input_details): None not
+    # asked; k the k most likely alternatives at each prompt position besides the prompt's token (0: that token only)
+    prompt_logprobs: int | None = None
     truncate_prompt: bool = False       # too long for the context: keep the prompt's last tokens instead of refusing
     grammar: GrammarSpec | None = None  # constrained decoding (response_format, forced tool calls)
     prompt_embeds: PromptEmbeds | None = None
@@ -118,6 +121,18 @@ class GenerationRequest:
 class TopLogprob:
     token_id: int
     logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """One prompt token and how likely the model found it after the tokens before it. The first prompt token has
+    no context: its ``logprob`` and ``rank`` are None and it has no alternatives."""
+
+    token_id: int
+    logprob: float | None
+    rank: int | None = None             # its place in the vocabulary, most likely first (1: the most likely; vLLM)
+    top_logprobs: tuple[TopLogprob, ...] = ()  # the most likely tokens at this position, most likely first
+    is_special: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,3 +156,6 @@ class TokenEvent:
     error_kind: ErrorKind | None = None  # set with ``error``
     num_prompt_tokens: int = 0          # set on final events, for usage
     num_generated_tokens: int = 0       # set on final events: tokens this choice generated
+    # the whole prompt's logprobs (one per prompt token, the first without one), on each choice's first token event
+    # when the request asked for them (``GenerationRequest.prompt_logprobs``)
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()

@@ -40,11 +40,15 @@ class CompletionsContext(FormatContext):
     prompt_texts: tuple[str, ...] = ()   # the prompts as sent, one per prompt (what echo prepends)
     return_full_text: bool = False       # echo
     suffix: str = ""                     # appended to every completion
+    num_logprobs: int = 0                # logprobs: the top logprobs of each token (with echo, the prompt's too)
+    is_echo_only: bool = False           # max_tokens 0 with echo: the prompt alone, the token generated dropped
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (None: not asked)
 
 
 @dataclass(frozen=True, slots=True)
 class LegacyContext(FormatContext):
-    want_logprobs: bool = False          # details
+    want_logprobs: bool = False          # details (or decoder_input_details)
+    want_prefill: bool = False           # decoder_input_details: the prompt's tokens in details.prefill
     return_full_text: bool = False       # return_full_text: the prompt before the generated text
     want_top_tokens: bool = False        # top_n_tokens
 

@@ -1,4 +1,8 @@
-"""Token events -> the legacy schema (LMI / TGI): ``generated_text`` objects, or one JSON line per token."""
+"""Token events -> the legacy schema (LMI / TGI): ``generated_text`` objects, or one JSON line per token.
+
+With ``decoder_input_details``, ``details.prefill`` lists the prompt's tokens as TGI does: ``{"id", "text",
+"logprob"}`` (TGI's key, not LMI's ``log_prob``), the first token's logprob null.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +30,12 @@ def _details(choice: ChoiceResult, prompt: str, ctx: LegacyContext) -> dict:
         "finish_reason": FINISH_REASONS[choice.finish.finish_reason],
         "generated_tokens": choice.finish.num_generated_tokens,
         "inputs": prompt,
-        "tokens": [_token(e, ctx.token_text(e.token_id)) for e in tokens],
     }
+    if ctx.want_prefill:  # the prompt's logprobs ride on the first token's event
+        prefill = tokens[0].prompt_logprobs if tokens else ()
+        details["prefill"] = [{"id": p.token_id, "text": ctx.token_text(p.token_id), "logprob": p.logprob}
+                              for p in prefill]
+    details["tokens"] = [_token(e, ctx.token_text(e.token_id)) for e in tokens]
     if ctx.want_top_tokens:
         details["top_tokens"] = [_top_tokens(e, ctx) for e in tokens]
     return details

@@ -66,6 +66,15 @@ class PromptRenderer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens included (what echo shows of a token prompt, as vLLM decodes it)."""
+        return self.tokenizer.decode(token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the tokenizer knows, added tokens included."""
+        return len(self.tokenizer)
+
     def token_text(self, token_id: int) -> str:
         """A single token's own text, as TGI reports it in ``details.tokens``."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

@@ -1,8 +1,10 @@
 """The completions request (OpenAI's ``/v1/completions``, as Databricks serves it), validated, and its conversion to
 one ``GenerationRequest`` per prompt.
 
-``prompt`` is a string or a list of strings (normalised here to a list); each prompt is completed ``n`` times, or
-``best_of`` times when given, of which the formatter keeps the ``n`` most likely.
+``prompt`` is a string, a list of strings, a list of token ids or a list of such lists (OpenAI's four forms,
+normalised here to a list of prompts); each prompt is completed ``n`` times, or ``best_of`` times when given, of which
+the formatter keeps the ``n`` most likely. Token ids go to the model as they are (no special tokens added); an id
+outside the tokenizer's vocabulary is a 400 naming the prompt.
 
 How a prompt becomes tokens, ``use_raw_prompt`` (a Databricks field):
 
@@ -13,18 +15,21 @@ How a prompt becomes tokens, ``use_raw_prompt`` (a Databricks field):
 
 Defaults and rules: ``max_tokens`` null or absent is up to the context limit (Databricks; OpenAI's hosted default is
 16); ``temperature`` absent is the model's default, as for chat. ``echo`` prepends the prompt text as sent (not the
-rendered template); with ``logprobs`` it would need the prompt's logprobs, which the engine does not compute, so the
-pair is a 422. ``suffix`` (Databricks) is appended to the end of every completion. Streaming takes one prompt.
+rendered template; a token prompt's decoded text); with ``logprobs`` the logprobs cover the prompt's tokens too, the
+first one's null (OpenAI's legacy shape), computed in the prompt's prefill. ``max_tokens: 0`` with ``echo`` returns
+the prompt alone (vLLM; one token is generated and dropped). ``prompt_logprobs`` (vLLM) adds each choice's
+``prompt_logprobs``: per prompt token null (the first) or ``{token id: {logprob, rank, decoded_token}}``; it cannot
+stream. ``suffix`` (Databricks) is appended to the end of every completion. Streaming takes one prompt.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GenerationRequest, StopConditions
-from handler.errors import BadRequest, Unprocessable
+from handler.errors import BadRequest
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
     check_best_of,
@@ -36,14 +41,16 @@ from handler.protocol.common import (
 )
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5; lm-evaluation-harness has sent 10)
 
 
 class CompletionRequest(BaseModel):
     model_config = _STRICT
 
-    prompt: str | list[str]
+    prompt: str | TokenIds | list[TokenIds] | list[str]  # this order: a bad token id is named as one
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo only, the prompt alone
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
@@ -53,7 +60,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     user: str | None = None
@@ -66,10 +73,29 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     use_raw_prompt: bool | None = None  # Databricks: false wraps the prompt in the chat template (see above)
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM: score the prompt, with k alternatives
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: its text, or its token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def is_echo_only(self) -> bool:
+        """``max_tokens: 0`` with echo: the answer is the prompt (and its logprobs) alone."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The alternatives to score at each prompt position (echo with logprobs shows the prompt's, prompt_logprobs
+        asks vLLM's; the formatters keep each its own count); None when neither asks."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
+
+    def prompt_param(self, index: int) -> str:
+        return "prompt" if len(self.prompts) == 1 else f"prompt[{index}]"
 
     @property
     def num_choices(self) -> int:
@@ -81,8 +107,9 @@ class CompletionRequest(BaseModel):
         """One engine request per prompt, from each prompt's token ids (``intake.completion_requests`` renders
         them)."""
         sampling = openai_sampling_params(self, default_temperature)
-        stop = StopConditions(
-            max_new_tokens=self.max_tokens, stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos
+        stop = StopConditions(  # echo only: one token is generated (the engine always samples one) and dropped
+            max_new_tokens=1 if self.is_echo_only else self.max_tokens, stop_strings=stop_list(self.stop),
+            ignore_eos=self.ignore_eos,
         )
         return [
             GenerationRequest(
@@ -92,10 +119,11 @@ class CompletionRequest(BaseModel):
                 stop=stop,
                 n=self.num_choices,
                 num_top_logprobs=self.logprobs or 0,
+                prompt_logprobs=self.num_prompt_logprobs,
                 truncate_prompt=self.error_behavior == "truncate",
-                prompt_param="prompt",
+                prompt_param=self.prompt_param(index),
             )
-            for ids in prompt_ids
+            for index, ids in enumerate(prompt_ids)
         ]
 
     def check(self) -> None:
@@ -104,12 +132,23 @@ class CompletionRequest(BaseModel):
             raise BadRequest("prompt is an empty list", param="prompt")
         if self.stream and len(self.prompts) > 1:
             raise BadRequest("streaming takes one prompt; send a string, not a list", param="prompt")
-        if self.echo and self.logprobs is not None:
-            raise Unprocessable(
-                "echo with logprobs needs the prompt's logprobs, which this server does not compute", param="echo"
-            )
+        for index, prompt in enumerate(self.prompts):
+            if not prompt and isinstance(prompt, list):
+                raise BadRequest(f"{self.prompt_param(index)} is an empty list of token ids",
+                                 param=self.prompt_param(index))
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens 0 returns only the prompt, so it needs echo: true", param="max_tokens")
+        if self.stream and self.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs are not available with stream: true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
         check_stop(self.stop)
         check_logit_bias(self.logit_bias)
         check_best_of(self.best_of, self.n, self.stream)
+
+
+def check_token_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:
+    """A token prompt's ids must be the tokenizer's (vLLM checks the same bound)."""
+    outside = next((t for t in prompt_ids if t >= vocab_size), None)
+    if outside is not None:
+        raise BadRequest(f"{param} holds token id {outside}, outside the vocabulary (0..{vocab_size - 1})", param=param)

@@ -2,7 +2,9 @@
 
 One or many prompts are normalised here into a list of ``GenerationRequest``s, one per prompt.
 Sampling: ``do_sample`` false with no temperature/top_p/top_k means greedy (HF ``generate``'s default); any of
-those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless given.
+those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless given. ``decoder_input_details``
+(TGI) adds the prompt's tokens and logprobs as ``details.prefill`` (and, as in TGI, implies ``details``); it cannot
+stream.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LegacyParameters(BaseModel):
     seed: int | None = None
     return_full_text: bool = False
     details: bool = False
+    decoder_input_details: bool = False           # TGI: the prompt's tokens and logprobs in details.prefill
     top_n_tokens: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
     truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
@@ -83,6 +86,9 @@ class LegacyRequest(BaseModel):
             raise BadRequest("inputs is an empty list", param="inputs")
         if self.stream and self.is_batch:
             raise BadRequest("streaming takes one input; send a string, not a list", param="inputs")
+        if self.stream and self.parameters.decoder_input_details:  # TGI refuses it too
+            raise BadRequest("decoder_input_details is not available with stream: true",
+                             param="parameters.decoder_input_details")
         self.parameters.stop_strings()
 
     def to_generation_requests(self, prompt_ids: list[list[int]],
@@ -95,5 +101,6 @@ class LegacyRequest(BaseModel):
         keep = p.truncate  # TGI: only the last N tokens of the input
         return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(ids[-keep:] if keep else ids),
                                   sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0,
+                                  prompt_logprobs=0 if p.decoder_input_details else None,
                                   truncate_prompt=p.error_behavior == "truncate", prompt_param="inputs")
                 for ids in prompt_ids]

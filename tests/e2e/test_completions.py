@@ -46,12 +46,6 @@ def test_completion_logprobs_legacy_shape(client: openai.OpenAI) -> None:
         assert logprob >= max(top.values()) - 1e-6  # greedy: the chosen token is the most likely
 
 
-def test_echo_with_logprobs_is_422_naming_echo(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.UnprocessableEntityError) as caught:
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert caught.value.body["param"] == "echo"
-
-
 def test_several_prompts_are_prompt_major(client: openai.OpenAI) -> None:
     other = "One, two, three,"
     batch = client.completions.create(model="m", prompt=[PROMPT, other], n=2, max_tokens=3)

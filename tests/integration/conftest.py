@@ -24,14 +24,16 @@ def post(client, path: str, body: object, **kwargs):
     return client.post(path, data=json.dumps(body), content_type="application/json", **kwargs)
 
 
-def make_engine(loaded, max_step_tokens: int) -> Engine:
-    """An engine over the shared weights with a runner (KV cache) of its own: an engine frees its cache on its
+def make_engine(loaded, max_step_tokens: int, *, budget: int = 1 << 30, prefix_caching: bool = True,
+                max_running: int = 8, on_stats=None) -> Engine:
+    """An engine over the shared weights with a runner (KV memory) of its own: an engine frees its cache on its
     own thread after its last event, which must not land in another engine's step."""
-    runner = ModelRunner(loaded.runner.model, 8, MAX_MODEL_LEN)
+    runner = ModelRunner(loaded.runner.model, max_running, MAX_MODEL_LEN, budget, prefix_caching)
     runner.prefix_ids, runner.prefix_kv = loaded.runner.prefix_ids, loaded.runner.prefix_kv
     own = dataclasses.replace(loaded, runner=runner)
     engine = Engine(lambda: own,
-                    EngineLimits(max_running=8, max_model_len=MAX_MODEL_LEN, max_step_tokens=max_step_tokens))
+                    EngineLimits(max_running=max_running, max_model_len=MAX_MODEL_LEN, max_step_tokens=max_step_tokens),
+                    on_stats=on_stats)
     engine.start()
     wait_until_ready(engine, timeout=120)
     return engine

@@ -19,8 +19,8 @@ from handler import intake, metrics, server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine import admission as admission_module
 from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
-from handler.engine.runner import StepOutput
-from handler.engine.scheduler import StepPlan
+from handler.engine.runner import StepOutput, advance
+from handler.engine.scheduler import StepPlan, Unbounded
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions
 from handler.errors import Overloaded
 from handler.prompt.renderer import PromptRenderer
@@ -32,12 +32,16 @@ LONG = StopConditions(max_new_tokens=400, ignore_eos=True)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
+class _Space(Unbounded):
+    bytes_per_token, num_bytes = 8, 4096
+
+
 class GatedRunner:
     """A runner whose steps can be held: ``hold()`` stops the next step until ``open_gate()``."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.cache = types.SimpleNamespace(bytes_per_token=8, num_bytes=4096)
+        self.space = _Space()
         self.prefix_ids: tuple[int, ...] = ()  # no shared chat-template prefix
         self._open = threading.Event()
         self._open.set()
@@ -55,27 +59,17 @@ class GatedRunner:
             self.waiting_at_gate.set()
             self._open.wait()
         rows = [s for s in plan.decode if not s.is_prefilling]
-        rows += [s for s, start, length in plan.prefill if start + length == s.num_prompt_tokens]
-        for sequence in plan.decode:
-            if not sequence.is_prefilling:
-                sequence.num_cached += 1
-        for sequence, _start, length in plan.prefill:
-            sequence.num_cached += length
+        rows += [s for s, start, length in plan.prefill if start + length == s.prefill_target]
+        advance(plan)
         logits = torch.zeros(len(rows), self.vocab_size)
         logits[:, WORLD] = 10.0
         return StepOutput(rows, logits)
 
-    def cached_prefix_length(self, prompt_ids: list[int]) -> int:
-        return 0
+    def match_prefix(self, sequence) -> None:
+        return None
 
-    def move(self, move) -> None:
-        pass
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        pass
-
-    def release(self) -> None:  # the engine frees the KV cache when idle
-        pass
+    def clear_prefix_cache(self) -> None:
+        return None
 
 
 class FakeClock:

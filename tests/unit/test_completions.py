@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from handler import intake
-from handler.engine.types import FinishReason, GenerationRequest, SamplingParams, StopConditions, TokenEvent, TopLogprob
+from handler.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    PromptLogprob,
+    SamplingParams,
+    StopConditions,
+    TokenEvent,
+    TopLogprob,
+)
 from handler.errors import BadRequest, ServingError, Unprocessable
 from handler.formatting import chat as chat_format
 from handler.formatting import completions
@@ -44,6 +53,11 @@ class FakeRenderer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         self.encoded.append((text, add_special_tokens))
         return [ord(c) for c in text]
+
+    vocab_size = 500
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
 
 
 def request(**fields) -> CompletionRequest:
@@ -99,15 +113,19 @@ def hello(index: int = 0, prompt: int = 4) -> list[TokenEvent]:
     ("fields", "param"),
     [
         ({"prompt": 3}, "prompt"),
-        ({"prompt": [1, 2]}, "prompt[0]"),
+        ({"prompt": [1, -2]}, "prompt[1]"),             # token ids are integers from 0
+        ({"prompt": [[1], [2, True]]}, "prompt[1][1]"),
+        ({"prompt": [1, 2.0]}, "prompt[1]"),
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
         ({"best_of": 0}, "best_of"),
         ({"best_of": 129}, "best_of"),
-        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"logprobs": -1}, "logprobs"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"echo": "maybe"}, "echo"),
         ({"suffix": 3}, "suffix"),
         ({"use_raw_prompt": "maybe"}, "use_raw_prompt"),
@@ -127,7 +145,13 @@ def test_bad_field_is_a_400_naming_it(fields: dict, param: str) -> None:
     [
         ({"prompt": []}, 400, "prompt"),
         ({"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
-        ({"echo": True, "logprobs": 0}, 422, "echo"),
+        ({"prompt": [[]]}, 400, "prompt"),
+        ({"prompt": [[1], []]}, 400, "prompt[1]"),
+        ({"prompt": [5, 999]}, 400, "prompt"),              # outside the tokenizer's vocabulary
+        ({"prompt": [[5], [6, 999]]}, 400, "prompt[1]"),
+        ({"prompt": [5], "use_raw_prompt": False}, 400, "use_raw_prompt"),
+        ({"max_tokens": 0}, 400, "max_tokens"),             # 0 only with echo
+        ({"prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"n": 3, "best_of": 2}, 400, "best_of"),
         ({"best_of": 2, "stream": True}, 400, "best_of"),
@@ -205,6 +229,46 @@ def test_one_request_per_prompt() -> None:
     assert [g.prompt_ids for g in generations] == [(97, 98), (99,)]
     assert [g.n for g in generations] == [2, 2]
     assert len({g.request_id for g in generations}) == 2
+
+
+def test_token_prompts_go_as_they_are() -> None:
+    renderer = FakeRenderer()
+    generations = convert(renderer, prompt=[[1, 2], [3]])
+    assert [g.prompt_ids for g in generations] == [(1, 2), (3,)]
+    assert [g.prompt_param for g in generations] == ["prompt[0]", "prompt[1]"]
+    assert renderer.encoded == []
+    [one] = convert(renderer, prompt=[104, 105])  # one prompt of token ids
+    assert (one.prompt_ids, one.prompt_param) == ((104, 105), "prompt")
+
+
+@pytest.mark.parametrize(
+    ("fields", "scored"),
+    [
+        ({}, None),
+        ({"logprobs": 2}, None),                               # the completion's logprobs only
+        ({"echo": True}, None),
+        ({"echo": True, "logprobs": 0}, 0),                    # the echoed prompt's: its tokens' logprobs
+        ({"echo": True, "logprobs": 3}, 3),
+        ({"prompt_logprobs": 0}, 0),                           # vLLM's field
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 5}, 5),  # the larger; each formatter keeps its own
+    ],
+)
+def test_prompt_logprobs_asked_of_the_engine(fields: dict, scored: int | None) -> None:
+    [generation] = convert(**fields)
+    assert generation.prompt_logprobs == scored
+
+
+def test_echo_only_generates_one_token_to_drop() -> None:
+    [generation] = convert(echo=True, max_tokens=0, logprobs=1)
+    assert generation.stop.max_new_tokens == 1 and generation.prompt_logprobs == 1
+    assert request(echo=True, max_tokens=0).is_echo_only and not request(echo=True, max_tokens=1).is_echo_only
+
+
+def test_echo_texts_are_the_prompts_as_sent_or_decoded() -> None:
+    renderer = FakeRenderer()
+    assert intake.echo_texts(request(prompt=["ab", "c"], echo=True), renderer) == ("ab", "c")
+    assert intake.echo_texts(request(prompt=[[104, 105], [33]], echo=True), renderer) == ("hi", "!")
+    assert intake.echo_texts(request(prompt=[104, 105]), renderer) == ()  # no echo, nothing decoded
 
 
 def test_single_item_list_may_stream() -> None:
@@ -345,6 +409,73 @@ def test_logprobs_legacy_shape_one_entry_per_token() -> None:
         "text_offset": [0, 3, 4],
     }
     assert len(record["choices"][0]["logprobs"]["tokens"]) == record["usage"]["completion_tokens"]
+
+
+# the prompt "Hello" + a special token, as the engine scores it (its first token has no logprob)
+PROMPT_LOGPROBS = (
+    PromptLogprob(5, None),
+    PromptLogprob(6, -1.0, 2, (TopLogprob(7, -0.5), TopLogprob(6, -1.0))),
+    PromptLogprob(2, -3.0, 9, (TopLogprob(8, -0.1), TopLogprob(7, -0.2)), is_special=True),
+)
+
+
+def hello_after_prompt(index: int = 0) -> list[TokenEvent]:
+    first, *rest = hello(index, prompt=3)
+    return [dataclasses.replace(first, prompt_logprobs=PROMPT_LOGPROBS), *rest]
+
+
+ECHO = {"return_full_text": True, "prompt_texts": ("Hello",)}
+
+
+def test_echo_with_logprobs_covers_the_prompt_then_the_completion() -> None:
+    record = completions.completion([hello_after_prompt()], 1, ctx(want_logprobs=True, num_logprobs=1, **ECHO))
+    choice = record["choices"][0]
+    assert choice["text"] == "HelloHello world"
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "lo", "<|im_end|>", "Hel", "lo", " wor", "ld", "<|im_end|>"],
+        "token_logprobs": [None, -1.0, -3.0, -0.1, -0.2, -0.3, -0.4, -0.01],
+        "top_logprobs": [None, {" wor": -0.5, "lo": -1.0}, {"ld": -0.1, "<|im_end|>": -3.0},
+                         {"Hel": -0.1}, {"lo": -0.2}, {" wor": -0.3}, {"ld": -0.4}, {"<|im_end|>": -0.01}],
+        "text_offset": [0, 3, 5, 5, 8, 10, 14, 16],
+    }
+    assert "prompt_logprobs" not in choice  # vLLM's field only when asked
+    assert record["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+
+def test_vllm_prompt_logprobs_shape() -> None:
+    record = completions.completion([hello_after_prompt()], 1, ctx(num_prompt_logprobs=1))
+    assert record["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"6": {"logprob": -1.0, "rank": 2, "decoded_token": "lo"},
+         "7": {"logprob": -0.5, "rank": 1, "decoded_token": " wor"}},
+        {"2": {"logprob": -3.0, "rank": 9, "decoded_token": "<|im_end|>"},
+         "8": {"logprob": -0.1, "rank": 1, "decoded_token": "ld"}},
+    ]
+    assert record["choices"][0]["logprobs"] is None
+
+
+def test_echo_only_is_the_prompt_alone() -> None:
+    events = [dataclasses.replace(end(0, 2, "", -0.1, EOS, 3, 1), prompt_logprobs=PROMPT_LOGPROBS)]  # cut anyway
+    options = {"want_logprobs": True, "is_echo_only": True, **ECHO}
+    record = completions.completion([events], 1, ctx(**options))
+    choice = record["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello", "length")
+    assert choice["logprobs"]["tokens"] == ["Hel", "lo", "<|im_end|>"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -3.0]
+    assert record["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    chunks = list(completions.completion_chunks(events, 1, ctx(include_usage=True, **options)))
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == [
+        ("Hello", None), ("", "length")]
+    assert chunks[-2]["choices"][0]["logprobs"] is None
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def test_chunks_echo_with_logprobs_waits_for_the_prompts_logprobs() -> None:
+    chunks = list(completions.completion_chunks(hello_after_prompt(), 1, ctx(want_logprobs=True, **ECHO)))
+    assert chunks[0]["choices"][0]["text"] == "Hello"
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -3.0]
+    assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [None, {"lo": -1.0}, {"<|im_end|>": -3.0}]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks[1:]] == [[5], [8], [10], [14], [16]]
 
 
 def test_best_of_keeps_the_most_likely_per_prompt() -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from handler.engine.types import FinishReason, TokenEvent, TopLogprob
+from handler.engine.types import FinishReason, PromptLogprob, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady
 from handler.formatting import chat, legacy
 from handler.formatting.context import ChatContext, FormatContext, LegacyContext
@@ -211,6 +212,18 @@ def test_legacy_generated_details_tokens_use_token_text() -> None:
         "tokens": [{"id": 5, "text": "Hel", "log_prob": -0.1, "special": False},
                    {"id": 6, "text": "lo", "log_prob": -0.2, "special": False},
                    {"id": 9, "text": "é", "log_prob": -0.3, "special": False}]}}
+
+
+def test_legacy_decoder_input_details_prefill_is_tgis_shape() -> None:
+    prompt = (PromptLogprob(5, None), PromptLogprob(6, -1.5, 3), PromptLogprob(9, -0.25, 1))
+    events = [ev(0, 7, " wor", -0.1), ev(0, 8, "ld", -0.2, finish=FinishReason.LENGTH, prompt=3, generated=2)]
+    events[0] = dataclasses.replace(events[0], prompt_logprobs=prompt)
+    record = legacy.generated(events, "Helloé", ctx(LegacyContext, want_logprobs=True, want_prefill=True))
+    assert list(record["details"]) == ["finish_reason", "generated_tokens", "inputs", "prefill", "tokens"]
+    assert record["details"]["prefill"] == [{"id": 5, "text": "Hel", "logprob": None},
+                                            {"id": 6, "text": "lo", "logprob": -1.5},
+                                            {"id": 9, "text": "é", "logprob": -0.25}]
+    assert [t["id"] for t in record["details"]["tokens"]] == [7, 8]
 
 
 def test_legacy_generated_top_tokens() -> None:

@@ -271,6 +271,18 @@ def test_legacy_stream_with_a_list_is_refused() -> None:
     assert error.status_code == 400
 
 
+def test_legacy_decoder_input_details_cannot_stream() -> None:
+    error = legacy_error({"inputs": "a", "stream": True, "parameters": {"decoder_input_details": True}})
+    assert (error.status_code, error.param) == (400, "parameters.decoder_input_details")
+
+
+def test_legacy_decoder_input_details_asks_for_the_prompts_logprobs() -> None:
+    [plain] = intake.legacy_requests(legacy({"inputs": "ab"}), FakeRenderer(), 16)
+    [scored] = intake.legacy_requests(legacy({"inputs": "ab", "parameters": {"decoder_input_details": True}}),
+                                      FakeRenderer(), 16)
+    assert (plain.prompt_logprobs, scored.prompt_logprobs) == (None, 0)  # TGI's prefill has no alternatives
+
+
 def test_legacy_empty_list_is_refused() -> None:
     assert legacy_error({"inputs": []}).param == "inputs"
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from handler.engine.runner import advance
 from handler.engine.sampler import RowState
-from handler.engine.scheduler import _MIN_PREFILL_TOKENS, Scheduler, SlotMove, StepPlan
+from handler.engine.scheduler import _MIN_PREFILL_TOKENS, Scheduler, StepPlan
 from handler.engine.sequence import RequestState, Sequence
 from handler.engine.types import GenerationRequest
 
@@ -28,13 +29,11 @@ def request(num_prompt: int, n: int = 1, name: str = "r") -> RequestState:
 
 
 def fake_run(plan: StepPlan) -> None:
-    """What ModelRunner._advance does: decoding sequences gain one cached token, prefill chunks their length."""
-    for sequence in plan.decode:
-        if not sequence.is_prefilling:
-            sequence.num_cached += 1
-            sequence.output_ids.append(0)
-    for sequence, _start, length in plan.prefill:
-        sequence.num_cached += length
+    """ModelRunner's bookkeeping (``advance``), and a token sampled for every decoding sequence."""
+    decoding = [s for s in plan.decode if not s.is_prefilling]
+    advance(plan)
+    for sequence in decoding:
+        sequence.output_ids.append(0)
 
 
 def chunks(plan: StepPlan) -> list[tuple[str, int, int]]:
@@ -47,16 +46,15 @@ def test_empty_scheduler_has_no_work() -> None:
     assert scheduler.schedule().is_empty
 
 
-def test_admits_oldest_first_and_places_in_slot_order() -> None:
+def test_admits_oldest_first_among_equals() -> None:
     scheduler = Scheduler(max_running=4, max_step_tokens=512)
     states = [request(5, name=f"r{i}") for i in range(3)]
     for state in states:
         scheduler.add(state)
     plan = scheduler.schedule()
     assert chunks(plan) == [("r0", 0, 5), ("r1", 0, 5), ("r2", 0, 5)]
-    assert [s.slot for s in scheduler.slots] == [0, 1, 2]
-    assert plan.decode == scheduler.slots
-    assert [s.request for s in scheduler.slots] == states
+    assert [s.request for s in scheduler.running] == states
+    assert plan.decode == scheduler.running
     assert not scheduler.waiting
 
 
@@ -71,7 +69,7 @@ def test_admission_respects_max_running() -> None:
     plan = scheduler.schedule()
     assert plan.prefill == []  # still full
     assert len(plan.decode) == 2
-    scheduler.remove(scheduler.slots[0])
+    scheduler.remove(scheduler.running[0])
     plan = scheduler.schedule()
     assert chunks(plan) == [("r2", 0, 4)]
 
@@ -92,7 +90,7 @@ def test_prefilling_request_keeps_its_n_reserved_across_chunks() -> None:
     scheduler = Scheduler(max_running=4, max_step_tokens=_MIN_PREFILL_TOKENS)
     scheduler.add(request(100, n=3, name="long"))
     fake_run(scheduler.schedule())
-    assert scheduler.slots[0].is_prefilling
+    assert scheduler.running[0].is_prefilling
     scheduler.add(request(4, n=2, name="late"))
     plan = scheduler.schedule()
     assert [c[0] for c in chunks(plan)] == ["long"]
@@ -115,7 +113,7 @@ def test_token_budget_splits_a_long_prompt_across_steps() -> None:
         fake_run(plan)
     # the admitted sequence's own placeholder decode row takes one token of the first step's budget
     assert seen == [("long", 0, 63), ("long", 63, 63), ("long", 126, 24)]
-    (sequence,) = scheduler.slots
+    (sequence,) = scheduler.running
     assert not sequence.is_prefilling
     assert sequence.num_cached == 150
 
@@ -132,19 +130,41 @@ def test_step_never_runs_more_than_max_step_tokens(num_requests: int) -> None:
         fake_run(plan)
 
 
-def test_leftover_budget_goes_to_waiting_requests_and_chunks_resume_first() -> None:
+def test_a_short_prompt_is_prefilled_before_a_long_one_and_the_oldest_keeps_a_share() -> None:
     scheduler = Scheduler(max_running=4, max_step_tokens=64)
     scheduler.add(request(100, name="a"))
     scheduler.add(request(30, name="b"))
     plan = scheduler.schedule()
-    assert chunks(plan) == [("a", 0, 63)]
+    # budget 64 - 2 decode rows: "a" (oldest) gets a quarter first, "b" (cheapest) all of its 30, "a" the rest
+    assert sorted(chunks(plan)) == [("a", 0, 32), ("b", 0, 30)]
     fake_run(plan)
+    assert not scheduler.running[1].is_prefilling  # "b" decodes from the next step
     plan = scheduler.schedule()
-    # budget 64 - 1 slot = 63: "a" finishes its 37 tokens; "b" takes a decode row and 25 of its 30
-    assert chunks(plan) == [("a", 63, 37), ("b", 0, 25)]
-    fake_run(plan)
+    assert chunks(plan) == [("a", 32, 62)]
+
+
+def test_a_short_request_waits_a_step_not_a_long_prefill() -> None:
+    scheduler = Scheduler(max_running=4, max_step_tokens=64)
+    scheduler.add(request(7000, name="long"))
+    fake_run(scheduler.schedule())
+    scheduler.add(request(20, name="short"))
     plan = scheduler.schedule()
-    assert chunks(plan) == [("b", 25, 5)]
+    assert ("short", 0, 20) in chunks(plan)
+    assert sum(length for _s, _start, length in plan.prefill) + len(plan.decode) <= 64
+
+
+def test_a_stream_of_short_requests_cannot_starve_the_oldest() -> None:
+    scheduler = Scheduler(max_running=64, max_step_tokens=64)
+    scheduler.add(request(500, name="long"))
+    done = 0
+    for step in range(40):
+        scheduler.add(request(40, name=f"s{step}"))
+        plan = scheduler.schedule()
+        done += sum(length for s, _start, length in plan.prefill if s.request.request.request_id == "long")
+        fake_run(plan)
+        for sequence in [s for s in scheduler.running if s.output_ids]:
+            scheduler.remove(sequence)  # short ones finish after one token
+    assert done == 500
 
 
 def test_full_decode_batch_still_leaves_a_minimum_prefill_budget() -> None:
@@ -153,63 +173,89 @@ def test_full_decode_batch_still_leaves_a_minimum_prefill_budget() -> None:
         scheduler.add(request(1, name=f"s{i}"))
     for _ in range(3):  # each admission costs its prompt token and its slot's decode row
         fake_run(scheduler.schedule())
-    assert len(scheduler.slots) == 38
+    assert len(scheduler.running) == 38
     scheduler.add(request(100, name="new"))
     plan = scheduler.schedule()
     assert chunks(plan) == [("new", 0, _MIN_PREFILL_TOKENS - 1)]
 
 
-def test_remove_last_needs_no_move() -> None:
-    scheduler = Scheduler(max_running=4, max_step_tokens=512)
-    for i in range(3):
-        scheduler.add(request(5, name=f"r{i}"))
-    fake_run(scheduler.schedule())
-    last = scheduler.slots[2]
-    assert scheduler.remove(last) is None
-    assert last.slot == -1
-    assert [s.slot for s in scheduler.slots] == [0, 1]
+class TokenSpace:
+    """A KV space of ``capacity`` positions: a sequence holds exactly the positions it asked for."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: dict[Sequence, int] = {}
+
+    def fits(self, length: int, count: int = 1) -> bool:
+        return sum(self.held.values()) + length * count <= self.capacity
+
+    def place(self, owner: Sequence, length: int) -> bool:
+        if not self.fits(length):
+            return False
+        self.held[owner] = length
+        return True
+
+    def grow(self, owner: Sequence, length: int) -> bool:
+        if length <= self.held[owner]:
+            return True
+        if sum(self.held.values()) - self.held[owner] + length > self.capacity:
+            return False
+        self.held[owner] = length
+        return True
+
+    def free(self, owner: Sequence) -> None:
+        self.held.pop(owner)
+
+    def sort_key(self, owner: Sequence) -> tuple[int, int]:
+        return owner.order
 
 
-def test_remove_moves_the_last_slot_into_the_hole() -> None:
+def test_admission_waits_for_memory_and_nothing_newer_passes_the_oldest() -> None:
     scheduler = Scheduler(max_running=8, max_step_tokens=512)
-    for i, size in enumerate([5, 6, 7, 8]):
-        scheduler.add(request(size, name=f"r{i}"))
+    scheduler.space = TokenSpace(100)
+    scheduler.add(request(60, name="big"))
     fake_run(scheduler.schedule())
-    fake_run(scheduler.schedule())  # one decode step: num_cached = prompt + 1
-    first, last = scheduler.slots[0], scheduler.slots[3]
-    move = scheduler.remove(first)
-    assert move == SlotMove(src=3, dst=0, length=9)
-    assert first.slot == -1
-    assert last.slot == 0
-    assert [s.request.request.request_id for s in scheduler.slots] == ["r3", "r1", "r2"]
-    assert [s.slot for s in scheduler.slots] == [0, 1, 2]
-    move = scheduler.remove(scheduler.slots[1])
-    assert move == SlotMove(src=2, dst=1, length=8)
-    assert [s.request.request.request_id for s in scheduler.slots] == ["r3", "r2"]
-    assert [s.slot for s in scheduler.slots] == [0, 1]
+    scheduler.add(request(50, name="next"))   # 51 positions: does not fit beside big's 61
+    scheduler.add(request(5, name="small"))   # would fit, but is newer than "next"
+    plan = scheduler.schedule()
+    assert chunks(plan) == [] and [s.request.request_id for s in scheduler.waiting] == ["next", "small"]
+    scheduler.remove(scheduler.running[0])
+    plan = scheduler.schedule()
+    assert sorted(chunks(plan)) == [("next", 0, 50), ("small", 0, 5)]
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]])
-def test_slots_stay_contiguous_under_any_removal_order(order: list[int]) -> None:
+def test_growth_past_the_budget_preempts_the_newest_which_resumes_with_its_output() -> None:
     scheduler = Scheduler(max_running=8, max_step_tokens=512)
-    for i in range(5):
-        scheduler.add(request(3 + i, name=f"r{i}"))
-    fake_run(scheduler.schedule())
-    by_name = {s.request.request.request_id: s for s in scheduler.slots}
-    contents = {s.slot: s.request.request.request_id for s in scheduler.slots}  # a fake cache: slot -> owner
-    for i in order:
-        sequence = by_name[f"r{i}"]
-        hole = sequence.slot
-        move = scheduler.remove(sequence)
-        if move is not None:
-            assert move.dst == hole and move.length == scheduler.slots[hole].num_cached
-            contents[move.dst] = contents.pop(move.src)
-        else:
-            contents.pop(hole)
-        assert [s.slot for s in scheduler.slots] == list(range(len(scheduler.slots)))
-        assert {s.slot: s.request.request.request_id for s in scheduler.slots} == contents
-    assert scheduler.slots == []
-    assert not scheduler.has_work
+    scheduler.space = TokenSpace(30)
+    old, new = request(10, name="old"), request(10, name="new")
+    scheduler.add(old)
+    scheduler.add(new)
+    for _ in range(8):  # prefill (11 positions each), then decode until both no longer fit in 30
+        fake_run(scheduler.schedule())
+    first, second = old.sequences[0], new.sequences[0]
+    assert scheduler.preempted == [second] and scheduler.running == [first]
+    assert scheduler.num_preemptions == 1
+    assert second.kv_slot is None and second.num_cached == 0
+    generated = list(second.output_ids)
+    assert generated  # it had decoded before it gave way
+    scheduler.remove(first)
+    plan = scheduler.schedule()
+    # it recomputes its prompt and what it generated; that prefill's last logits give its next token
+    assert chunks(plan) == [("new", 0, 10 + len(generated))]
+    assert second.prefill_target == 10 + len(generated)
+    fake_run(plan)
+    assert not second.is_prefilling and not second.resuming
+
+
+def test_a_sequence_that_grows_with_nothing_newer_to_preempt_gives_way_itself() -> None:
+    scheduler = Scheduler(max_running=8, max_step_tokens=512)
+    scheduler.space = TokenSpace(12)
+    scheduler.add(request(10, name="only"))
+    fake_run(scheduler.schedule())  # prompt: 11 positions held
+    fake_run(scheduler.schedule())  # decode at position 10: 11
+    fake_run(scheduler.schedule())  # at 11: 12
+    scheduler.schedule()            # 13 do not fit: it is the newest, so it is preempted
+    assert [s.request.request.request_id for s in scheduler.preempted] == ["only"]
 
 
 def test_take_cancelled_waiting() -> None:
