@@ -267,3 +267,15 @@ def test_block_keys_name_the_whole_prefix() -> None:
     image = block_keys(tokens, 0, 3, extra=lambda block: b"image A" if block == 1 else b"")
     other = block_keys(tokens, 0, 3, extra=lambda block: b"image B" if block == 1 else b"")
     assert image[0] == other[0] and image[1] != other[1] and image[2] != other[2]
+
+
+def test_image_features_enter_the_key_of_the_blocks_they_fall_in() -> None:
+    from handler.engine.runner import _embeds_digest
+    from handler.engine.types import PromptEmbeds
+
+    positions = tuple(range(70, 80))  # inside block 1
+    a = PromptEmbeds(positions, torch.ones(10, 8))
+    b = PromptEmbeds(positions, torch.ones(10, 8) * 2)
+    assert _embeds_digest(a, 0) == _embeds_digest(b, 0) == b""
+    assert _embeds_digest(a, 1) != _embeds_digest(b, 1)
+    assert _embeds_digest(a, 1) == _embeds_digest(PromptEmbeds(positions, torch.ones(10, 8)), 1)
