@@ -25,7 +25,15 @@ import torch.nn.functional as F
 from handler.engine.checkpoint import read_tensors
 from handler.engine.kv_cache import KEY_BLOCK, KVCache, KVSpace, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.support import rope_layers, rope_parameters, rope_type, with_family_defaults
+from handler.engine.moe import GatedMLP, SparseMoE, load_moe
+from handler.engine.support import (
+    moe_layers,
+    original_max_positions,
+    rope_layers,
+    rope_parameters,
+    rope_type,
+    with_family_defaults,
+)
 
 
 @dataclass(slots=True)
@@ -33,14 +41,14 @@ class Layer:
     """One block's weights. Pre-norm families (all but olmo2) have ``input_norm`` and ``post_norm`` (before
     attention and before the MLP); olmo2 has neither but ``attn_out_norm`` and ``mlp_out_norm`` (on each sublayer's
     output, before the residual add). ``split`` turns the qkv projection into q, k (normed where the family norms
-    them, rotated where the layer uses RoPE) and v: picked at load, so a family pays only for what it has."""
+    them, rotated where the layer uses RoPE) and v: picked at load, so a family pays only for what it has. ``mlp``
+    is the feed-forward sublayer: a gated MLP, or an MoE layer's router and experts (``moe``)."""
 
     input_norm: torch.Tensor | None
     qkv: DenseLinear | Int8DynamicLinear
     out: DenseLinear | Int8DynamicLinear
     post_norm: torch.Tensor | None
-    gate_up: DenseLinear | Int8DynamicLinear
-    down: DenseLinear | Int8DynamicLinear
+    mlp: GatedMLP | SparseMoE
     split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
@@ -130,8 +138,8 @@ class DecoderModel:
         # granite scales the embeddings, each sublayer's output and the logits: folded into the weights
         self.embed = (embed * config["embedding_multiplier"] if granite else embed).to(device, dtype)
         self.post_norms = family == "olmo2"
-        rope = rope_layers(config)
-        self.layers = [self._layer(state, i, make, config, rope[i]) for i in range(self.shape.num_layers)]
+        rope, moe = rope_layers(config), moe_layers(config)
+        self.layers = [self._layer(state, i, make, config, rope[i], moe[i]) for i in range(self.shape.num_layers)]
         self.final_norm = state["model.norm.weight"].to(device, dtype)
         head = state.get("lm_head.weight", embed)  # tied embeddings
         self.lm_head = make(head / config["logits_scaling"] if granite else head, None)
@@ -145,25 +153,26 @@ class DecoderModel:
     def _norm(self, state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return state[name].to(self.device, self.dtype)
 
-    def _layer(self, state: dict[str, torch.Tensor], i: int, make, config: dict, use_rope: bool) -> Layer:
+    def _layer(self, state: dict[str, torch.Tensor], i: int, make, config: dict, use_rope: bool,
+               use_moe: bool) -> Layer:
         p = f"model.layers.{i}."
         s = self.shape
         family = config.get("model_type")
         # attention's scale is folded into the query: into the projection (RoPE is linear) or, where q is normed
         # after the projection (which would undo a scaled projection), into the norm's weight
         scale = config["attention_multiplier"] if family == "granite" else s.head_dim**-0.5
-        q_norm = state[f"{p}self_attn.q_norm.weight"] if family in ("qwen3", "olmo2") else None
+        q_norm = state[f"{p}self_attn.q_norm.weight"] if family in ("qwen3", "qwen3_moe", "olmo2") else None
         project_scale = 1.0 if q_norm is not None else scale
-        attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+        attn = _qkv_weights(state, p, family, s)
         attn[0] = attn[0] * project_scale
         biases = [state.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
         biases[0] = None if biases[0] is None else biases[0] * project_scale
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         out_weight, out_bias = state[f"{p}self_attn.o_proj.weight"], state.get(f"{p}self_attn.o_proj.bias")
-        down = state[f"{p}mlp.down_proj.weight"]
+        residual = None
         if family == "granite":  # residual_multiplier scales each sublayer's output: its last Linear
             residual = config["residual_multiplier"]
-            out_weight, down = out_weight * residual, down * residual
+            out_weight = out_weight * residual
             out_bias = None if out_bias is None else out_bias * residual
         heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
         if q_norm is None:
@@ -182,12 +191,24 @@ class DecoderModel:
             qkv=make(torch.cat(attn), qkv_bias),
             out=make(out_weight, out_bias),
             post_norm=None if post else self._norm(state, f"{p}post_attention_layernorm.weight"),
-            gate_up=make(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]), None),
-            down=make(down, None),
+            mlp=self._feed_forward(state, p, make, config, use_moe, residual),
             split=split,
             attn_out_norm=self._norm(state, f"{p}post_attention_layernorm.weight") if post else None,
             mlp_out_norm=self._norm(state, f"{p}post_feedforward_layernorm.weight") if post else None,
         )
+
+    def _feed_forward(self, state: dict[str, torch.Tensor], p: str, make, config: dict, use_moe: bool,
+                      down_scale: float | None) -> GatedMLP | SparseMoE:
+        """The layer's gated MLP (gate and up fused here; phi3's checkpoint has them fused already), or its
+        experts; ``down_scale``: granite's residual multiplier, folded into the down projection."""
+        if use_moe:
+            return load_moe(state, p, config, make, lambda router: router.to(self.device, self.dtype))
+        if config.get("model_type") == "phi3":
+            gate_up = state[f"{p}mlp.gate_up_proj.weight"]
+        else:
+            gate_up = torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]])
+        down = state[f"{p}mlp.down_proj.weight"]
+        return GatedMLP(make(gate_up, None), make(down if down_scale is None else down * down_scale, None))
 
     def _rotary_tables(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for every position: ``[max_positions, head_dim]``.
@@ -207,7 +228,7 @@ class DecoderModel:
 
         hf_config = AutoConfig.for_model(**config)
         rotary = LlamaRotaryEmbedding(hf_config)
-        positions = torch.arange(self.shape.max_position_embeddings).unsqueeze(0)
+        positions = torch.arange(_rotary_positions(config, self.shape.max_position_embeddings)).unsqueeze(0)
         probe = torch.zeros(1, dtype=torch.float32)
         cos, sin = rotary(probe, positions)
         return cos[0].to(self.device, self.dtype), sin[0].to(self.device, self.dtype)
@@ -247,9 +268,7 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
             x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache))
-            h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
         return x
 
     def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
@@ -259,8 +278,7 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             h = layer.out(self._attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
             x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            x = x + F.rms_norm(layer.down(F.silu(gate) * up), (x.shape[-1],), layer.mlp_out_norm, eps)
+            x = x + F.rms_norm(layer.mlp(x), (x.shape[-1],), layer.mlp_out_norm, eps)
         return x
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
@@ -298,6 +316,24 @@ class DecoderModel:
         q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
         out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _qkv_weights(state: dict[str, torch.Tensor], p: str, family: str | None, s: ModelShape) -> list[torch.Tensor]:
+    """The q, k and v projection weights; phi3 stores them as one ``qkv_proj`` (q rows, then k, then v)."""
+    if family == "phi3":
+        kv_rows = s.num_kv_heads * s.head_dim
+        return list(state[f"{p}self_attn.qkv_proj.weight"].split([s.num_heads * s.head_dim, kv_rows, kv_rows]))
+    return [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+
+
+def _rotary_positions(config: dict, max_positions: int) -> int:
+    """How many positions the rotary table covers. longrope (phi3) picks its short or long factors by the length
+    of the whole sequence in transformers, so the table is the short one, exact up to
+    ``original_max_position_embeddings``: ``support`` refuses a longer ``max_model_len``. (Given every position at
+    once, transformers' rotary module would pick the long factors for all of them.)"""
+    if rope_type(config) == "longrope":
+        return min(max_positions, original_max_positions(config))
+    return max_positions
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,17 @@ layer attending to every earlier position. The families it runs are that block w
 - smollm3: layers without RoPE (``no_rope_layers``: 1 uses RoPE, 0 does not).
 - olmo2: RMSNorm on the whole q and k projections, and post-norms (``post_attention_layernorm`` and
   ``post_feedforward_layernorm`` on each sublayer's output before the residual add) instead of pre-norms.
+- phi3: q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (no biases); RoPE ``default`` or ``longrope``
+  (``su`` and ``yarn`` are phi3's old names for it), longrope only up to ``original_max_position_embeddings``
+  positions: past them transformers switches every position of the sequence, earlier ones included, to the long
+  factors, which no cache of earlier keys can follow.
+- qwen3_moe: qwen3's attention; the MLP of each layer picked by ``mlp_only_layers`` and ``decoder_sparse_step``
+  is a sparse mixture of ``num_experts`` gated MLPs, each row routed to ``num_experts_per_tok`` of them (softmax,
+  top-k, renormalised over the k when ``norm_topk_prob``); no shared expert.
+- qwen2_moe: qwen2's attention, qwen3_moe's MoE layers, each with a shared expert besides the routed ones (a
+  gated MLP on every row, scaled by ``sigmoid(shared_expert_gate(x))``).
+- mixtral: mistral's attention; every layer's MLP a sparse mixture of ``num_local_experts`` gated MLPs, top
+  ``num_experts_per_tok``, always renormalised (``router_jitter_noise`` and the aux loss act only in training).
 
 A checkpoint that needs anything else would run and answer wrongly, so it is refused instead, with the reason: the
 model type, a config feature, or a tensor the lean model would not read (or lacks).
@@ -25,21 +36,45 @@ from pathlib import Path
 from handler.engine.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2")
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "phi3", "qwen3_moe",
+                    "qwen2_moe", "mixtral")
 # rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
 # nothing up to max_position_embeddings, which bounds our context)
 LEAN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# phi3's own: the types its config accepts (it renames su and yarn to longrope)
+_FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope")}
+_PHI3_ROPE_NAMES = {"su": "longrope", "yarn": "longrope"}
 _LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                   "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                   "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _OPTIONAL_LAYER_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                            "self_attn.o_proj.bias")
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-# each family's layer tensors, where they differ from the llama block's
+_MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# each family's layer tensors, where they differ from the llama block's (an MoE layer's MLP: _layer_tensors)
 _FAMILY_LAYER_TENSORS = {
     "qwen3": _LAYER_TENSORS + _QK_NORMS,
+    "qwen3_moe": _LAYER_TENSORS + _QK_NORMS,
     "olmo2": tuple(n for n in _LAYER_TENSORS if n != "input_layernorm.weight")
     + ("post_feedforward_layernorm.weight",) + _QK_NORMS,
+    "phi3": ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
+}
+_NO_OPTIONAL_TENSORS = ("phi3",)  # its projections have no biases
+# per MoE family, under the layer's prefix: the router, and one expert's gate, up and down ("{e}" its index)
+_QWEN_EXPERTS = ("mlp.gate.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                                     "mlp.experts.{e}.down_proj.weight"))
+MOE_TENSORS = {
+    "qwen3_moe": _QWEN_EXPERTS,
+    "qwen2_moe": _QWEN_EXPERTS,
+    "mixtral": ("block_sparse_moe.gate.weight", ("block_sparse_moe.experts.{e}.w1.weight",
+                                                 "block_sparse_moe.experts.{e}.w3.weight",
+                                                 "block_sparse_moe.experts.{e}.w2.weight")),
+}
+# per family with a shared expert: its gate, up and down, and the gate of its output (``[1, hidden]``)
+SHARED_EXPERT_TENSORS = {
+    "qwen2_moe": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"),
 }
 # config defaults of transformers' config classes that differ from the ones model.py falls back to, for a
 # config.json that leaves them out (save_pretrained writes them all)
@@ -49,7 +84,16 @@ _FAMILY_DEFAULTS = {
                 "logits_scaling": 1.0},
     "smollm3": {"rope_theta": 2000000.0, "max_position_embeddings": 32768, "no_rope_layer_interval": 4},
     "olmo2": {"rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    # (the expert count is num_experts': transformers 5 writes qwen3_moe's num_experts as num_local_experts)
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_experts_per_tok": 4, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {"rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
+                "num_experts_per_tok": 2},
 }
+_DEFAULT_NUM_EXPERTS = {"qwen3_moe": 128, "qwen2_moe": 60, "mixtral": 8}
 
 
 class UnsupportedModel(ValueError):
@@ -63,7 +107,15 @@ def rope_parameters(config: dict) -> dict:
 
 def rope_type(config: dict) -> str:
     rope = rope_parameters(config)
-    return rope.get("rope_type", rope.get("type", "default"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return _PHI3_ROPE_NAMES.get(kind, kind) if config.get("model_type") == "phi3" else kind
+
+
+def original_max_positions(config: dict) -> int:
+    """longrope's pretraining length: phi3's top-level field wins over the RoPE settings' (as in transformers)."""
+    return (config.get("original_max_position_embeddings")
+            or rope_parameters(config).get("original_max_position_embeddings")
+            or with_family_defaults(config).get("max_position_embeddings", 2048))
 
 
 def with_family_defaults(config: dict) -> dict:
@@ -85,6 +137,29 @@ def rope_layers(config: dict) -> list[bool]:
         interval = with_family_defaults(config)["no_rope_layer_interval"]
         return [(i + 1) % interval != 0 for i in range(layers)]
     return [bool(flag) for flag in flags]
+
+
+def num_experts(config: dict) -> int:
+    """The routed experts per MoE layer (0 for a dense family); transformers 5 writes qwen3_moe's
+    ``num_experts`` as ``num_local_experts``."""
+    family = config.get("model_type")
+    if family not in MOE_TENSORS:
+        return 0
+    count = config.get("num_local_experts", config.get("num_experts"))
+    return _DEFAULT_NUM_EXPERTS[family] if count is None else count
+
+
+def moe_layers(config: dict) -> list[bool]:
+    """Per layer, whether its MLP is the mixture of experts: every layer of mixtral; qwen3_moe's and qwen2_moe's
+    every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (their decoder layers' rule)."""
+    config = with_family_defaults(config)
+    layers = config.get("num_hidden_layers", 0)
+    if config.get("model_type") == "mixtral":
+        return [True] * layers
+    if config.get("model_type") not in ("qwen3_moe", "qwen2_moe") or num_experts(config) == 0:
+        return [False] * layers
+    step, dense = config["decoder_sparse_step"], set(config["mlp_only_layers"] or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
 def check_lean(config: dict, names: Iterable[str] | None, max_model_len: int) -> None:
@@ -113,12 +188,7 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
         reasons.append(f"pre-quantised weights (quantization_config {method})")
     if (act := config.get("hidden_act", "silu")) != "silu":
         reasons.append(f"hidden_act {act!r} (only silu)")
-    rope = rope_parameters(config)
-    if (kind := rope_type(config)) not in LEAN_ROPE_TYPES:
-        reasons.append(f"rope_type {kind!r} (it runs {', '.join(LEAN_ROPE_TYPES)})")
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        reasons.append(f"partial_rotary_factor {partial}")
+    reasons += _rope_problems(config, max_model_len) + _moe_problems(config)
     if config.get("mlp_bias"):
         reasons.append("mlp_bias")
     if model_type == "smollm3" and len(rope_layers(config)) != config.get("num_hidden_layers", 0):
@@ -130,6 +200,33 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
     return reasons
 
 
+def _rope_problems(config: dict, max_model_len: int) -> list[str]:
+    reasons = []
+    kinds = _FAMILY_ROPE_TYPES.get(config.get("model_type"), LEAN_ROPE_TYPES)
+    if (kind := rope_type(config)) not in kinds:
+        reasons.append(f"rope_type {kind!r} (it runs {', '.join(kinds)})")
+    elif kind == "longrope" and (limit := original_max_positions(config)) < max_model_len:
+        reasons.append(f"rope_type 'longrope' past original_max_position_embeddings {limit} (exact only up to that "
+                       f"many positions: set option.max_model_len to at most {limit}, now {max_model_len})")
+    rope = rope_parameters(config)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        reasons.append(f"partial_rotary_factor {partial}")
+    return reasons
+
+
+def _moe_problems(config: dict) -> list[str]:
+    if config.get("model_type") not in MOE_TENSORS:
+        return []
+    counts = {config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    if len(counts) > 1:  # transformers keeps whichever of the two it reads last
+        return [f"num_experts and num_local_experts that differ ({', '.join(map(str, sorted(counts)))})"]
+    top_k = with_family_defaults(config)["num_experts_per_tok"]
+    if any(moe_layers(config)) and not 0 < top_k <= num_experts(config):
+        return [f"num_experts_per_tok {top_k} of {num_experts(config)} experts"]
+    return []
+
+
 def sliding_window(config: dict) -> int | None:
     """The attention window some layer uses, or None when every layer sees every earlier position."""
     window = config.get("sliding_window")
@@ -139,21 +236,22 @@ def sliding_window(config: dict) -> int | None:
     if layer_types is not None:  # (a sliding layer whose config drops the window fails in transformers itself)
         return window if "sliding_attention" in layer_types else None
     # these families' configs drop the window unless use_sliding_window is set
-    if config.get("model_type") in ("qwen2", "qwen3", "smollm3") and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "smollm3") and not config.get(
+            "use_sliding_window", False):
         return None
     return window
 
 
 def _tensor_problems(config: dict, names: set[str]) -> list[str]:
-    layers = config.get("num_hidden_layers", 0)
-    layer_tensors = _FAMILY_LAYER_TENSORS.get(config.get("model_type"), _LAYER_TENSORS)
+    optional = () if config.get("model_type") in _NO_OPTIONAL_TENSORS else _OPTIONAL_LAYER_TENSORS
     required = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.get("tie_word_embeddings", False):
         required.add("lm_head.weight")
     known = required | {"lm_head.weight"}
-    for i in range(layers):
+    for i, moe in enumerate(moe_layers(config)):
+        layer_tensors = _layer_tensors(config, moe)
         required |= {f"model.layers.{i}.{n}" for n in layer_tensors}
-        known |= {f"model.layers.{i}.{n}" for n in layer_tensors + _OPTIONAL_LAYER_TENSORS}
+        known |= {f"model.layers.{i}.{n}" for n in layer_tensors + optional}
         biases = {f"model.layers.{i}.{n}" for n in _OPTIONAL_LAYER_TENSORS[:3]} & names
         if biases and len(biases) != 3:
             return [f"q/k/v biases on only some projections of layer {i}"]
@@ -163,6 +261,18 @@ def _tensor_problems(config: dict, names: set[str]) -> list[str]:
     if extra := sorted(n for n in names - known if not n.endswith("rotary_emb.inv_freq")):
         reasons.append(f"tensors it would not read: {_some(extra)}")
     return reasons
+
+
+def _layer_tensors(config: dict, moe: bool) -> tuple[str, ...]:
+    """One layer's tensor names; an MoE layer has its router and experts in place of the MLP's three."""
+    family = config.get("model_type")
+    names = _FAMILY_LAYER_TENSORS.get(family, _LAYER_TENSORS)
+    if not moe:
+        return names
+    router, expert = MOE_TENSORS[family]
+    experts = tuple(n.format(e=e) for e in range(num_experts(config)) for n in expert)
+    shared = SHARED_EXPERT_TENSORS.get(family, ())
+    return tuple(n for n in names if n not in _MLP_TENSORS) + (router,) + experts + shared
 
 
 def _some(names: list[str]) -> str:

@@ -1,7 +1,8 @@
 """Checkpoints the lean engine runs, proven against transformers' own forward on tiny random checkpoints (fp32,
 whole and chunked prefill, and rows of different lengths batched in one step beside decode rows), greedy tokens
-through the Engine for each family added to the llama block, and the load of a scaled-RoPE checkpoint in a fresh
-process (two threads importing transformers at once used to fail it)."""
+through the Engine for each family added to the llama block, int8 MoE layers that do not depend on the batch, and
+the load of a scaled-RoPE checkpoint in a fresh process (two threads importing transformers at once used to fail
+it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from handler.engine.linear import Int8DynamicLinear
 from handler.engine.model import DecoderModel, build_layout
+from handler.engine.moe import SparseMoE
 from handler.engine.quantize import calibrate, smooth_and_quantize
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
@@ -22,6 +25,13 @@ from tests.tiny_checkpoints import build_tiny
 
 GRANITE = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
            "logits_scaling": 4.0}
+# phi3's longrope over head_dim 16 (8 factors each), exact up to original_max_position_embeddings (256 here; the
+# tests' sequences stay below it); factor 2 from max_position_embeddings / original, so attention scaling != 1
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 256,
+            "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+# 8 small experts: a few hundred tokens reach every one of them, and none is computed needlessly large
+QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 CONFIGS = {
     "llama": ("llama", {}),
@@ -42,9 +52,17 @@ CONFIGS = {
     "smollm3-nope-first": ("smollm3", {"no_rope_layers": [0, 1]}),
     "olmo2": ("olmo2", {}),
     "olmo2-attention-bias": ("olmo2", {"attention_bias": True}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"rope_scaling": LONGROPE, "original_max_position_embeddings": 256}),
+    "qwen3_moe": ("qwen3_moe", QWEN3_MOE),  # every layer sparse, top-2 probabilities as they are
+    # top-3 renormalised, layer 1 a dense MLP; with q/k/v biases
+    "qwen3_moe-norm-topk-dense-layer": ("qwen3_moe", {**QWEN3_MOE, "num_experts_per_tok": 3, "norm_topk_prob": True,
+                                                      "mlp_only_layers": [1], "attention_bias": True}),
+    "qwen2_moe": ("qwen2_moe", {**QWEN3_MOE, "shared_expert_intermediate_size": 48}),  # with q/k/v biases
+    "mixtral": ("mixtral", {}),  # 8 experts of intermediate 128, top-2
 }
 # the families added to the llama block: each also through the Engine (loader, path choice, runner)
-ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2")
+ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2", "phi3-longrope", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -118,6 +136,24 @@ def test_int8_serves_every_family_close_to_dense_and_chunking_invariant(checkpoi
     whole = logits_in_chunks(model, ids, [])
     assert torch.equal(whole, logits_in_chunks(model, ids, [70, 130])), checkpoint.name
     assert (whole - dense).norm() / dense.norm() < 0.05, checkpoint.name
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_an_int8_moe_layer_gives_a_row_the_same_bits_alone_or_batched(name: str, tmp_path: Path) -> None:
+    """The router (and qwen2_moe's shared-expert gate) and the int8 experts compute each row on its own: every row
+    alone, beside 5 others or among 47 gets the bits it gets in a prefill of 80 (a dense GEMM router did not, for
+    fewer than 8 rows; a plain sigmoid on the shared-expert gate did not for some rows)."""
+    model_type, overrides = CONFIGS[name]
+    model = DecoderModel(build_tiny(tmp_path / name, model_type, **overrides), dtype=torch.float32,
+                         device=torch.device("cpu"))
+    calibration = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    smooth_and_quantize(model, calibrate(model, calibration))
+    moe = model.layers[0].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.experts[0].down, Int8DynamicLinear)
+    h = torch.randn(80, model.shape.hidden_size, generator=torch.Generator().manual_seed(4))
+    batched = moe(h)
+    for rows in [slice(row, row + 1) for row in range(80)] + [slice(2, 8), slice(33, 80)]:
+        assert torch.equal(moe(h[rows]), batched[rows]), (name, rows)
 
 
 @pytest.fixture(scope="module", params=ENGINE_FAMILIES)

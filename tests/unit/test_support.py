@@ -7,7 +7,10 @@ import pytest
 from handler.engine.support import (
     UnsupportedModel,
     check_lean,
+    moe_layers,
+    num_experts,
     rope_layers,
+    rope_type,
     sliding_window,
     unsupported_features,
     with_family_defaults,
@@ -22,6 +25,22 @@ QK_NORMS = {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.
 QWEN3_NAMES = NAMES | QK_NORMS
 OLMO2_NAMES = (NAMES - {"model.layers.0.input_layernorm.weight"}) | QK_NORMS | {
     "model.layers.0.post_feedforward_layernorm.weight"}
+MLP = {f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+PHI3 = {**LLAMA, "model_type": "phi3"}
+PHI3_NAMES = (NAMES - MLP - {f"model.layers.0.self_attn.{n}_proj.weight" for n in "qkv"}) | {
+    "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight"}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+QWEN3_MOE = {**LLAMA, "model_type": "qwen3_moe", "num_experts": 2, "num_experts_per_tok": 1}
+QWEN3_MOE_NAMES = (QWEN3_NAMES - MLP) | {"model.layers.0.mlp.gate.weight"} | {
+    f"model.layers.0.mlp.experts.{e}.{n}_proj.weight" for e in range(2) for n in ("gate", "up", "down")}
+SHARED = {f"model.layers.0.mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")} | {
+    "model.layers.0.mlp.shared_expert_gate.weight"}
+QWEN2_MOE = {**QWEN3_MOE, "model_type": "qwen2_moe"}
+QWEN2_MOE_NAMES = (QWEN3_MOE_NAMES - QK_NORMS) | SHARED
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 2}
+MIXTRAL_NAMES = (NAMES - MLP) | {"model.layers.0.block_sparse_moe.gate.weight"} | {
+    f"model.layers.0.block_sparse_moe.experts.{e}.w{n}.weight" for e in range(2) for n in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("config", [
@@ -47,13 +66,43 @@ def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
     ({**LLAMA, "model_type": "smollm3", "no_rope_layers": [0]}, NAMES),
     ({**LLAMA, "model_type": "smollm3", "sliding_window": 64, "use_sliding_window": False}, NAMES),
     ({**LLAMA, "model_type": "olmo2"}, OLMO2_NAMES),
+    (PHI3, PHI3_NAMES),
+    ({**PHI3, "rope_scaling": {**LONGROPE, "original_max_position_embeddings": 4096}}, PHI3_NAMES),
+    ({**PHI3, "rope_scaling": {**LONGROPE, "type": "su"}, "original_max_position_embeddings": 4096}, PHI3_NAMES),
+    ({**PHI3, "sliding_window": 4096}, PHI3_NAMES),  # never reached within 4096 positions
+    (QWEN3_MOE, QWEN3_MOE_NAMES),
+    ({**QWEN3_MOE, "num_local_experts": 2, "norm_topk_prob": True}, QWEN3_MOE_NAMES),  # transformers 5's name
+    ({**QWEN3_MOE, "mlp_only_layers": [0]}, QWEN3_NAMES),  # a dense layer: the MLP's own tensors
+    ({**QWEN3_MOE, "decoder_sparse_step": 2}, QWEN3_NAMES),  # layer 0 of every 2nd: dense
+    ({**QWEN3_MOE, "sliding_window": 64, "use_sliding_window": False}, QWEN3_MOE_NAMES),
+    (QWEN2_MOE, QWEN2_MOE_NAMES),
+    ({**QWEN2_MOE, "mlp_only_layers": [0]}, NAMES),
+    ({**QWEN2_MOE, "sliding_window": 0, "use_sliding_window": False, "layer_types": ["full_attention"]},
+     QWEN2_MOE_NAMES),
+    (MIXTRAL, MIXTRAL_NAMES),
+    ({**MIXTRAL, "sliding_window": 4096, "router_jitter_noise": 0.1}, MIXTRAL_NAMES),  # jitter: training only
 ])
 def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, names: set[str]) -> None:
     check_lean(config, names, 4096)
 
 
 @pytest.mark.parametrize(("config", "named"), [
-    ({**LLAMA, "model_type": "phi3"}, "this model type"),
+    ({**LLAMA, "model_type": "deepseek_v3"}, "this model type"),
+    ({**QWEN2_MOE, "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
+    ({**PHI3, "rope_scaling": {**LONGROPE, "original_max_position_embeddings": 1024}},
+     "longrope' past original_max_position_embeddings 1024 (exact only up to that many positions: set "
+     "option.max_model_len to at most 1024, now 4096)"),
+    ({**PHI3, "original_max_position_embeddings": 2048, "max_position_embeddings": 8192,
+      "rope_scaling": {**LONGROPE, "type": "yarn"}}, "past original_max_position_embeddings 2048"),
+    ({**PHI3, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear' (it runs default, "
+                                                                        "longrope)"),
+    ({**PHI3, "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ({**PHI3, "sliding_window": 2047}, "option.max_model_len to at most 2047"),
+    ({**QWEN3_MOE, "num_local_experts": 4}, "num_experts and num_local_experts that differ (2, 4)"),
+    ({**QWEN3_MOE, "num_experts_per_tok": 3}, "num_experts_per_tok 3 of 2 experts"),
+    ({**QWEN3_MOE, "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
+    ({**QWEN3_MOE, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({**MIXTRAL, "sliding_window": 1024}, "option.max_model_len to at most 1024"),
     ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
     ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
       "layer_types": ["sliding_attention"]}, "option.max_model_len to at most 64"),
@@ -104,11 +153,52 @@ def test_each_family_reads_its_own_tensors(model_type: str, names: set[str], nam
         check_lean({**LLAMA, "model_type": model_type}, names, 4096)
 
 
+@pytest.mark.parametrize(("config", "names", "named"), [
+    (PHI3, NAMES, "without model.layers.0.mlp.gate_up_proj.weight, model.layers.0.self_attn.qkv_proj.weight"),
+    (PHI3, PHI3_NAMES | {"model.layers.0.self_attn.qkv_proj.bias"}, "would not read: model.layers.0.self_attn.qkv"),
+    (PHI3, PHI3_NAMES | {"model.layers.0.self_attn.o_proj.bias"}, "would not read: model.layers.0.self_attn.o_proj"),
+    (QWEN3_MOE, QWEN3_NAMES, "without model.layers.0.mlp.experts.0.down_proj.weight"),
+    (QWEN3_MOE, QWEN3_MOE_NAMES - {"model.layers.0.mlp.experts.1.up_proj.weight"}, "without model.layers.0.mlp.e"),
+    (QWEN3_MOE, QWEN3_MOE_NAMES | {"model.layers.0.mlp.shared_expert.up_proj.weight"}, "would not read: model.layer"),
+    ({**QWEN3_MOE, "num_experts": 1, "num_experts_per_tok": 1}, QWEN3_MOE_NAMES, "would not read: model.layers.0.m"),
+    (QWEN2_MOE, QWEN2_MOE_NAMES - {"model.layers.0.mlp.shared_expert_gate.weight"}, "without model.layers.0.mlp.sh"),
+    (QWEN3_MOE, QWEN2_MOE_NAMES | QK_NORMS, "would not read: model.layers.0.mlp.shared_expert"),  # qwen3_moe: none
+    (MIXTRAL, MIXTRAL_NAMES - {"model.layers.0.block_sparse_moe.gate.weight"}, "without model.layers.0.block_spar"),
+    (MIXTRAL, QWEN3_MOE_NAMES - QK_NORMS, "without model.layers.0.block_sparse_moe"),
+])
+def test_the_moe_and_fused_families_read_their_own_tensors(config: dict, names: set[str], named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        check_lean(config, names, 4096)
+
+
+def test_moe_layers_and_expert_counts() -> None:
+    two = {"num_hidden_layers": 4}
+    assert moe_layers({**two, "model_type": "mixtral"}) == [True] * 4
+    assert moe_layers({**two, "model_type": "llama"}) == [False] * 4
+    assert moe_layers({**two, "model_type": "qwen3_moe"}) == [True] * 4  # decoder_sparse_step 1 by default
+    assert moe_layers({**two, "model_type": "qwen3_moe", "decoder_sparse_step": 2}) == [False, True, False, True]
+    assert moe_layers({**two, "model_type": "qwen3_moe", "mlp_only_layers": [0, 3]}) == [False, True, True, False]
+    assert moe_layers({**two, "model_type": "qwen3_moe", "num_experts": 0}) == [False] * 4
+    assert moe_layers({**two, "model_type": "qwen2_moe", "decoder_sparse_step": 2}) == [False, True, False, True]
+    assert num_experts({"model_type": "qwen3_moe"}) == 128 and num_experts({"model_type": "mixtral"}) == 8
+    assert num_experts({"model_type": "qwen2_moe"}) == 60
+    assert num_experts({"model_type": "qwen3_moe", "num_local_experts": 60}) == 60
+    assert num_experts({"model_type": "llama", "num_experts": 4}) == 0
+
+
+def test_phi3_names_longrope_su_and_yarn() -> None:
+    assert rope_type({"model_type": "phi3", "rope_scaling": {"type": "su"}}) == "longrope"
+    assert rope_type({"model_type": "phi3", "rope_scaling": {"rope_type": "yarn"}}) == "longrope"
+    assert rope_type({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}) == "yarn"
+
+
 def test_family_defaults_fill_what_a_config_leaves_out() -> None:
     assert with_family_defaults({"model_type": "qwen3"})["head_dim"] == 128
     assert with_family_defaults({"model_type": "olmo2"})["rms_norm_eps"] == 1e-5
     assert with_family_defaults({"model_type": "olmo2", "rms_norm_eps": 1e-6})["rms_norm_eps"] == 1e-6
     assert with_family_defaults({"model_type": "smollm3"})["rope_theta"] == 2000000.0
+    assert with_family_defaults({"model_type": "mixtral"})["rope_theta"] == 1000000.0
+    assert with_family_defaults({"model_type": "qwen3_moe"})["num_experts_per_tok"] == 8
     assert "rope_theta" not in with_family_defaults({"model_type": "smollm3",
                                                      "rope_parameters": {"rope_theta": 5e6}})
     assert "head_dim" not in with_family_defaults({"model_type": "llama"})

@@ -1,0 +1,134 @@
+"""Feed-forward sublayers: the SiLU-gated MLP, and the sparse mixture of experts built of them (qwen3_moe,
+qwen2_moe, mixtral).
+
+An MoE layer runs its experts batched over the step's rows: the router scores every row at once, and each expert
+that received rows runs once, on exactly those rows (gathered, one ``gate_up`` and one ``down``, scattered back
+weighted). No loop runs per token; the loop over experts skips the ones nobody picked. (One loop over experts
+rather than a grouped matmul over stacked ``[experts, ...]`` weights: with int8 each expert is its own fbgemm
+packed weight, one GEMM per weight.)
+
+Routing follows each family's transformers code to the dtype:
+
+- qwen3_moe: softmax over the router logits in fp32, top-k, renormalised over the k only when ``norm_topk_prob``;
+  the weights are cast back to the model dtype before they scale the expert outputs.
+- qwen2_moe: qwen3_moe's routing, plus a shared expert on every row, its output scaled by
+  ``sigmoid(shared_gate(x))`` and added after the routed experts'.
+- mixtral: softmax in fp32, top-k, always renormalised; the weights stay fp32 while they scale the expert outputs
+  (in bf16 the product is fp32 and rounds once, on the way into the sum).
+
+All sum the expert outputs in increasing expert order, as transformers does.
+
+Why the router is a batched matmul of single rows (``_row_exact_logits``) rather than ``F.linear``: a dense GEMM's
+result for a row changes with the number of rows beside it (measured on this CPU: rows computed alone differ from
+the same rows in a batch of 300 in the last bits, 1e-6 to 1e-4), and a router logit a bit off can swap an
+expert near the top-k boundary, which changes the row's output entirely. One ``[1, hidden] x [hidden, experts]``
+product per row gives a row the same logits whether it is decoded alone or beside a prefill, as the int8 Linear
+layers (``linear.Int8DynamicLinear``) do for every other projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from handler.engine.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.support import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
+
+
+@dataclass(slots=True)
+class GatedMLP:
+    """``down(silu(gate) * up)``, gate and up fused into one projection (gate rows first)."""
+
+    gate_up: DenseLinear | Int8DynamicLinear
+    down: DenseLinear | Int8DynamicLinear
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@dataclass(slots=True)
+class SparseMoE:
+    """A router over ``experts``, each row sent to its ``top_k`` best (see the module docstring for the families'
+    routing). ``router`` is ``[num_experts, hidden]`` in the model dtype, kept dense when the experts go int8: its
+    logits decide which experts run, and a quantised router would change that decision, not just round a value."""
+
+    router: torch.Tensor
+    experts: list[GatedMLP]
+    top_k: int
+    renormalize: bool
+    fp32_weights: bool
+    shared: GatedMLP | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden], with ``shared``
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = _row_exact_logits(h, self.router)  # [rows, experts]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [rows, top_k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.fp32_weights:
+            weights = weights.to(logits.dtype)
+        out = self._run_experts(h, chosen.flatten(), weights.flatten())
+        if self.shared is not None:
+            out = out + _row_exact_sigmoid(_row_exact_logits(h, self.shared_gate)) * self.shared(h)
+        return out
+
+    def _run_experts(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``chosen``, ``weights``: ``[rows * top_k]``, row-major. Each picked expert runs once on its rows."""
+        order = torch.argsort(chosen, stable=True)  # the (row, k) picks grouped by expert, rows ascending
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(h)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if not count:
+                continue
+            picks = order[start: start + count]
+            start += count
+            rows = picks // self.top_k
+            y = expert(h[rows]) * weights[picks, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+def _row_exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid`` of ``[rows, 1]``, the same bits for a row whatever the batch. torch runs an elementwise op with
+    vector code over whole vectors and scalar code over the tail, and the two differ in the last bit (measured: 72
+    of 2000 rows computed alone differed from the same rows in one batch), so the values are padded to a multiple
+    of 64 (every x86 vector loop's step divides it) and all of them take the vector path."""
+    rows = x.shape[0]
+    return torch.sigmoid(F.pad(x.reshape(-1), (0, -rows % 64)))[:rows].view(rows, 1)
+
+
+def _row_exact_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``h @ weight.T`` as one matrix product per row (``[rows, 1, hidden] x [rows, hidden, experts]``, the weight
+    broadcast, not copied), so a row's logits do not depend on the rows beside it."""
+    rows = h.shape[0]
+    return torch.bmm(h.unsqueeze(1), weight.t().expand(rows, -1, -1)).squeeze(1)
+
+
+def load_moe(state: dict[str, torch.Tensor], prefix: str, config: dict,
+             make: Callable[[torch.Tensor, torch.Tensor | None], DenseLinear | Int8DynamicLinear],
+             router_to: Callable[[torch.Tensor], torch.Tensor]) -> SparseMoE:
+    """One layer's router and experts from the checkpoint (``prefix``: ``model.layers.{i}.``; the names per family
+    in ``support.MOE_TENSORS``); ``config`` has its family's defaults filled in."""
+    family = config["model_type"]
+    router, names = MOE_TENSORS[family]
+    experts = [_gated(state, prefix, [name.format(e=e) for name in names], make) for e in range(num_experts(config))]
+    moe = SparseMoE(router=router_to(state[prefix + router]), experts=experts, top_k=config["num_experts_per_tok"],
+                    renormalize=family == "mixtral" or bool(config["norm_topk_prob"]),
+                    fp32_weights=family == "mixtral")
+    if shared := SHARED_EXPERT_TENSORS.get(family):
+        moe.shared = _gated(state, prefix, shared[:3], make)
+        moe.shared_gate = router_to(state[prefix + shared[3]])
+    return moe
+
+
+def _gated(state: dict[str, torch.Tensor], prefix: str, names: list[str] | tuple[str, ...],
+           make: Callable[[torch.Tensor, torch.Tensor | None], DenseLinear | Int8DynamicLinear]) -> GatedMLP:
+    """A gated MLP from its gate, up and down weights' names."""
+    gate, up, down = (state[prefix + name] for name in names)
+    return GatedMLP(make(torch.cat([gate, up]), None), make(down, None))
