@@ -3,8 +3,9 @@
 Serves the embedded model with its defaults (int8 on CPU) from a checkout (``--repo``, default this one: run it
 once more against a worktree of an older commit for the before figures) on a free loopback port, and runs:
 
-  a) 15 short streaming chats and one ~7,000-token prompt at option.max_rolling_batch_size=16: the worker's peak
-     RSS and peak llm_kv_cache_allocated_bytes, and how many requests completed;
+  a) 15 short streaming chats and one ~7,000-token prompt at option.max_rolling_batch_size=16 (request timeout
+     300 s, so that every request runs to its end): the worker's peak RSS and peak llm_kv_cache_allocated_bytes,
+     and how many requests completed;
   b) 8 concurrent ~7,000-token prompts, and a short streaming chat sent 2 s later: how many completed, and the
      short chat's time to first token;
   c) a 4-turn conversation under a ~1,000-token system prompt (greedy, 32 tokens a turn): each turn's time to
@@ -125,13 +126,13 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 def scenario_a(repo: Path, tmp: Path) -> dict:
-    server = serve(repo, tmp, {"OPTION_MAX_ROLLING_BATCH_SIZE": "16"})
+    server = serve(repo, tmp, {"OPTION_MAX_ROLLING_BATCH_SIZE": "16", "OPTION_REQUEST_TIMEOUT": "300"})
     try:
         sampler = Sampler(server)
         long = text_of(7000)
         with ThreadPoolExecutor(16) as pool:
             shorts = [pool.submit(stream_chat, server.url, [{"role": "user", "content": f"Count from 1 to {n}."}],
-                                  200) for n in range(20, 35)]
+                                  100) for n in range(20, 35)]
             time.sleep(1.0)
             big = pool.submit(completion, server.url, long, 16)
             results = [f.result() for f in shorts]

@@ -165,6 +165,8 @@ class Engine:
             return
         self._vocab = Vocabulary(self._loaded.tokenizer, self._loaded.eos_token_ids, self._loaded.special_token_ids)
         self._scheduler.space = self._loaded.runner.space
+        runner = self._loaded.runner
+        self._scheduler.attention_tokens = getattr(runner, "attention_tokens", self._scheduler.attention_tokens)
         self._warm_up()
         self._on_ready()
         self._ready.set()

@@ -144,6 +144,7 @@ class DecoderModel:
         head = state.get("lm_head.weight", embed)  # tied embeddings
         self.lm_head = make(head / config["logits_scaling"] if granite else head, None)
         self.cos, self.sin = self._rotary_tables(config)
+        self.attention_tokens = attention_tokens(config, self.shape)
         self._blocks = self._post_norm_blocks if self.post_norms else self._pre_norm_blocks
 
     def _dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
@@ -334,6 +335,17 @@ def _rotary_positions(config: dict, max_positions: int) -> int:
     if rope_type(config) == "longrope":
         return min(max_positions, original_max_positions(config))
     return max_positions
+
+
+def attention_tokens(config: dict, s: ModelShape) -> int:
+    """About how many cached keys one token's attention reads for the arithmetic of its Linear layers: the weight
+    elements a token multiplies in a layer (projections, the gated MLP or an MoE layer's routed and shared
+    experts) over the q.k and p.v products per key (``2 * heads * head_dim``). The scheduler's prefill cost model."""
+    ffn = config.get("moe_intermediate_size") or config["intermediate_size"]
+    ffn *= config.get("num_experts_per_tok", 1) if config.get("num_local_experts") or config.get("num_experts") else 1
+    ffn += config.get("shared_expert_intermediate_size") or 0
+    attention = s.hidden_size * (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    return max(1, (attention + 3 * s.hidden_size * ffn) // (2 * s.num_heads * s.head_dim))
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ class ModelRunner:
                  prefix_caching: bool = True) -> None:
         self.model = model
         self.space = model.new_space(budget, max_len, max_slots, prefix_caching)
+        self.attention_tokens = model.attention_tokens
         self.groups = model.shape.num_heads // model.shape.num_kv_heads
         self.prefix_ids: tuple[int, ...] = ()
         self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,9 +1,11 @@
 """Which sequences run in the next step, where their KV lives, and who waits.
 
 Every step decodes one token for every running sequence and spends what is left of the per-step token budget on
-prefill. Prefill goes to the cheapest work first (fewest tokens left to compute, then the oldest), so a short
-request's first token waits a step or two behind a long prompt rather than its whole prefill; the oldest piece of
-work is served first with a quarter of the budget, so a stream of short requests cannot starve a long one.
+prefill, a chunk deep in a long prompt counting its attention too (so a step takes about as long at any depth, and
+sequences decoding beside a long prompt's prefill keep getting tokens at a steady pace). Prefill goes to the
+cheapest work first (fewest tokens left to compute, then the oldest), so a short request's first token waits a step
+or two behind a long prompt rather than its whole prefill; the oldest piece of work is served first with a quarter
+of the budget, so a stream of short requests cannot starve a long one.
 
 Memory is the KV space's (``kv_cache.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a request
 is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has no room,
@@ -70,6 +72,10 @@ class Scheduler:
                  match_prefix: Callable[[Sequence], None] = lambda sequence: None) -> None:
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
+        # keys one token of prefill attention reads for the cost of its other work (``model.attention_tokens``):
+        # a step's prefill is budgeted by cost, so a step at the end of a long prompt takes about as long as one at
+        # its start and the decoding sequences beside it are not held up
+        self.attention_tokens = 1 << 62
         self.match_prefix = match_prefix   # sets a new sequence's num_cached from a cached prefix
         self.space = Unbounded()
         self.waiting: deque[RequestState] = deque()
@@ -126,12 +132,24 @@ class Scheduler:
                     continue
                 budget -= 1  # its decode row (a placeholder while it prefills)
             done = sequence.num_cached + chunks.get(sequence, 0)
-            length = min(sequence.prefill_target - done, share, budget)
+            length = self._chunk_length(done, min(sequence.prefill_target - done, share, budget))
             if length > 0:
                 chunks[sequence] = chunks.get(sequence, 0) + length
-                budget -= length
+                budget -= self._chunk_cost(done, length)
         prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
         return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
+
+    def _chunk_cost(self, start: int, length: int) -> int:
+        """A prefill chunk's cost in token budget: its tokens, and its attention over the keys before it counted
+        as ``attention_tokens`` keys to a token (a long prompt's late chunks cost more per token)."""
+        return length + length * (start + length) // self.attention_tokens
+
+    def _chunk_length(self, start: int, most: int) -> int:
+        """The longest chunk from ``start`` whose cost stays within ``most`` (at least one token)."""
+        length = most
+        while length > 1 and self._chunk_cost(start, length) > most:
+            length = max(1, most * length // self._chunk_cost(start, length))
+        return length
 
     def _grow_decoding(self) -> None:
         """Every decoding sequence gets room for the position it computes next; the newest give way."""

@@ -268,3 +268,19 @@ def test_take_cancelled_waiting() -> None:
     assert scheduler.take_cancelled_waiting() == [states[1], states[3]]
     assert list(scheduler.waiting) == [states[0], states[2]]
     assert scheduler.take_cancelled_waiting() == []
+
+
+def test_chunks_deep_in_a_long_prompt_are_shorter_by_their_attention_cost() -> None:
+    scheduler = Scheduler(max_running=4, max_step_tokens=512)
+    scheduler.attention_tokens = 1000  # a token's attention over 1,000 keys costs as much as its other work
+    scheduler.add(request(8000, name="long"))
+    lengths = []
+    while scheduler.running == [] or scheduler.running[0].is_prefilling:
+        plan = scheduler.schedule()
+        (chunk,) = plan.prefill
+        sequence, start, length = chunk
+        assert scheduler._chunk_cost(start, length) <= 511  # the budget less the sequence's own decode row
+        lengths.append(length)
+        fake_run(plan)
+    assert lengths[0] > 300 and lengths[-2] < 80  # early chunks near the budget, late ones a fraction of it
+    assert sum(lengths) == 8000
