@@ -2,8 +2,9 @@
 PY := .venv/bin/python
 MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
+VARIANT ?= cpu
 
-.PHONY: serve test venv model bench fmt lint clean image image-test
+.PHONY: serve test venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm
 
 serve: venv model  ## serve the embedded model on :8080 (SAGEMAKER_BIND_TO_PORT overrides)
 	$(PY) -m handler serve
@@ -26,8 +27,23 @@ fmt: venv
 lint: venv
 	$(PY) -m ruff check handler tests bench devtools
 
-image:  ## build the serving image with podman (as root; installs podman, base image, wheelhouse when missing)
-	bash ci/image.sh
+# vLLM's engine behind the same server (option.rolling_batch=vllm), in its own environment: vLLM pins an older
+# transformers, and the default venv must not pay its 3.5 GB or import it. VENV_VLLM may point outside the clone
+# (a CI cache).
+VENV_VLLM ?= .venv-vllm
+VPY := $(VENV_VLLM)/bin/python
+
+venv-vllm:
+	VENV=$(VENV_VLLM) bash ci/install_vllm.sh
+
+serve-vllm: venv-vllm model  ## serve the embedded model through vLLM on :8080 (builds .venv-vllm on first use)
+	OPTION_ROLLING_BATCH=vllm $(VPY) -m handler serve
+
+test-vllm: venv-vllm model  ## the contract tests against the vLLM backend, through the real server
+	$(VPY) -m pytest tests/vllm -q
+
+image:  ## build the serving image with podman (VARIANT=cuda: the GPU image with vLLM; as root)
+	VARIANT=$(VARIANT) bash ci/image.sh
 
 image-test:  ## build the image, run it as SageMaker does, check /ping, requests and a clean SIGTERM stop
 	bash ci/image_test.sh

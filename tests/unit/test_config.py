@@ -144,10 +144,10 @@ def test_unknown_env_key_is_named(env: dict[str, str], environ: dict[str, str], 
 
 
 def test_unknown_properties_key_is_named(env: dict[str, str]) -> None:
-    write_props(env, "option.tensor_parallel_degree=2\n")
+    write_props(env, "option.speculative_draft_model=/m\n")
     with pytest.raises(ConfigError, match="unknown setting") as info:
         load_settings(env)
-    assert "option.tensor_parallel_degree" in str(info.value)
+    assert "option.speculative_draft_model" in str(info.value)
 
 
 @pytest.mark.parametrize(("environ", "key", "reason"), [

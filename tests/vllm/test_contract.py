@@ -1,0 +1,21 @@
+"""The e2e contract tests, unchanged, against servers on vLLM: both schemas, both framings, errors, sampling
+fields, stop strings, logprobs, prompt logprobs (echo, decoder_input_details, token prompts), n / best_of, seed,
+logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), then cancellation on
+disconnect, the 429 queue bound and the deadline (a server with one batch slot, one queue place and a 3 s
+deadline), and SIGTERM's drain (servers of their own)."""
+
+from tests.e2e.test_chat_fields import *  # noqa: F403
+from tests.e2e.test_completions import *  # noqa: F403
+from tests.e2e.test_lifecycle import (  # noqa: F401
+    test_sigterm_drains_in_flight_requests_and_exits_zero,
+    test_streams_still_running_when_the_grace_ends_get_a_final_record_and_a_log_line,
+)
+from tests.e2e.test_metrics import (  # noqa: F401
+    test_disconnected_stream_frees_its_slot,
+    test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams,
+    test_non_streaming_deadline_is_504_and_prompts_are_logged_when_asked,
+    tight,
+)
+from tests.e2e.test_prompt_logprobs import *  # noqa: F403
+from tests.e2e.test_serving import *  # noqa: F403
+from tests.e2e.test_tools import *  # noqa: F403
