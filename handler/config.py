@@ -92,7 +92,7 @@ class Settings(BaseModel):
     # option.gpu_memory_utilization (vLLM's and LMI's key) sets it as a fraction of the device instead.
     kv_cache_memory: str | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enable_prefix_caching: bool = True                      # reuse whole 64-token blocks of earlier prompts
+    enable_prefix_caching: bool = True                      # reuse whole 16-token blocks of earlier prompts
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
     # body fields this server does not declare, for the whole deployment (Azure's extra-parameters meanings); per

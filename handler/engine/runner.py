@@ -9,7 +9,7 @@ from functools import partial
 import torch
 
 from handler.engine import prompt_logprobs
-from handler.engine.kv_cache import KEY_BLOCK, block_keys
+from handler.engine.kv_cache import PREFIX_BLOCK, block_keys
 from handler.engine.model import DecoderModel, build_layout
 from handler.engine.scheduler import StepPlan
 from handler.engine.sequence import Sequence
@@ -64,9 +64,9 @@ class ModelRunner:
             return
         hit, source = 0, None
         store = self.space.prefixes
-        if store.enabled and target > KEY_BLOCK:
-            blocks = store.match(self.block_keys(sequence, (target - 1) // KEY_BLOCK))
-            hit, source = len(blocks) * KEY_BLOCK, blocks
+        if store.enabled and target > PREFIX_BLOCK:
+            blocks = store.match(self.block_keys(sequence, (target - 1) // PREFIX_BLOCK))
+            hit, source = len(blocks) * PREFIX_BLOCK, blocks
         shared = len(self.prefix_ids)
         if hit < shared < target and tuple(sequence.tokens(0, shared)) == self.prefix_ids:
             hit, source = shared, [self.prefix_kv]
@@ -82,7 +82,7 @@ class ModelRunner:
         if count > len(keys):
             embeds = sequence.request.request.prompt_embeds
             extra = None if embeds is None else partial(_embeds_digest, embeds)
-            keys += block_keys(sequence.tokens(0, count * KEY_BLOCK), len(keys), count - len(keys),
+            keys += block_keys(sequence.tokens(0, count * PREFIX_BLOCK), len(keys), count - len(keys),
                                keys[-1] if keys else b"", extra)
         return keys[:count]
 
@@ -134,7 +134,7 @@ class ModelRunner:
     def _store_blocks(self, sequence: Sequence) -> None:
         """Offer the prefix store the whole blocks this sequence's prefill has computed so far (never decoded
         ones: a cached block is then exactly what a prefill of the same tokens computes)."""
-        count = min(sequence.num_cached, sequence.prefill_target) // KEY_BLOCK
+        count = min(sequence.num_cached, sequence.prefill_target) // PREFIX_BLOCK
         if count > sequence.num_stored_blocks:
             keys = self.block_keys(sequence, count)[sequence.num_stored_blocks:]
             self.space.store_blocks(sequence, keys, sequence.num_stored_blocks)
@@ -171,7 +171,7 @@ def _join_embeds(embeds: list[tuple[list[int], torch.Tensor]], device: torch.dev
 
 def _embeds_digest(embeds, block: int) -> bytes:
     """A digest of the image features inside prompt block ``block`` (b"" when it has none)."""
-    offsets, values = embeds.in_chunk(block * KEY_BLOCK, KEY_BLOCK)
+    offsets, values = embeds.in_chunk(block * PREFIX_BLOCK, PREFIX_BLOCK)
     if not offsets:
         return b""
     digest = hashlib.blake2b(bytes(str(offsets), "ascii"), digest_size=16)

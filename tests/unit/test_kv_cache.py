@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine.kv_cache import KEY_BLOCK, KVCache, KVSpace, block_keys
+from handler.engine.kv_cache import PREFIX_BLOCK, KVCache, KVSpace, block_keys
 
 LAYERS, HEADS, DIM = 2, 3, 4
 
@@ -236,18 +236,18 @@ def test_copy_gives_a_fork_the_prompt() -> None:
 
 
 def test_prefix_blocks_round_trip_and_are_evicted_oldest_first_for_slabs() -> None:
-    s = space(budget_tokens=1024 + 2 * KEY_BLOCK, max_slots=4)  # slabs of one slot at this budget
+    s = space(budget_tokens=1024 + 2 * PREFIX_BLOCK, max_slots=4)  # slabs of one slot at this budget
     writer = Owner("w")
     s.place(writer, 200)
-    fill(s, writer, 3 * KEY_BLOCK, base=7.0)
-    keys = block_keys(list(range(3 * KEY_BLOCK)), 0, 3)
+    fill(s, writer, 3 * PREFIX_BLOCK, base=7.0)
+    keys = block_keys(list(range(3 * PREFIX_BLOCK)), 0, 3)
     s.store_blocks(writer, keys, 0)
     assert len(s.prefixes) == 3 and s.num_bytes <= s.budget
     reader = Owner("r")
     s.place(reader, 250)
     blocks = s.prefixes.match(keys[:2])
     s.load_prefix(reader, blocks)
-    assert torch.equal(read(s, reader, 2 * KEY_BLOCK), expected(3 * KEY_BLOCK, 7.0)[:, :, :2 * KEY_BLOCK])
+    assert torch.equal(read(s, reader, 2 * PREFIX_BLOCK), expected(3 * PREFIX_BLOCK, 7.0)[:, :, :2 * PREFIX_BLOCK])
     # a slot of 1024 needs room: the empty slabs go first, then the least recently used block (the third)
     s.free(writer)
     s.free(reader)
@@ -258,7 +258,7 @@ def test_prefix_blocks_round_trip_and_are_evicted_oldest_first_for_slabs() -> No
 
 
 def test_block_keys_name_the_whole_prefix() -> None:
-    tokens = list(range(3 * KEY_BLOCK))
+    tokens = list(range(3 * PREFIX_BLOCK))
     keys = block_keys(tokens, 0, 3)
     assert keys == block_keys(tokens + [1, 2, 3], 0, 3)
     assert block_keys(tokens, 2, 1, previous=keys[1]) == keys[2:]
@@ -273,9 +273,9 @@ def test_image_features_enter_the_key_of_the_blocks_they_fall_in() -> None:
     from handler.engine.runner import _embeds_digest
     from handler.engine.types import PromptEmbeds
 
-    positions = tuple(range(70, 80))  # inside block 1
+    positions = tuple(range(66, 76))  # inside block 4 (positions 64..79)
     a = PromptEmbeds(positions, torch.ones(10, 8))
     b = PromptEmbeds(positions, torch.ones(10, 8) * 2)
     assert _embeds_digest(a, 0) == _embeds_digest(b, 0) == b""
-    assert _embeds_digest(a, 1) != _embeds_digest(b, 1)
-    assert _embeds_digest(a, 1) == _embeds_digest(PromptEmbeds(positions, torch.ones(10, 8)), 1)
+    assert _embeds_digest(a, 4) != _embeds_digest(b, 4)
+    assert _embeds_digest(a, 4) == _embeds_digest(PromptEmbeds(positions, torch.ones(10, 8)), 4)
