@@ -214,6 +214,7 @@ class Engine:
                 self.step()
         self._num_sampled = 0  # warm-up tokens are not traffic
         self._loaded.runner.clear_prefix_cache()
+        self._scheduler.space.release()  # traffic's KV grows from a small slab
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -204,36 +204,47 @@ class KVSpace:
                 return index
         raise ValueError(f"{length} positions exceed the context ({self.max_len})")
 
-    def slab_bytes(self, size_class: int) -> int:
-        c = self.classes[size_class]
-        return c.slab_slots * c.capacity * self.bytes_per_token
-
-    def bytes_for(self, length: int, count: int = 1) -> int:
-        """What ``count`` sequences of ``length`` positions take at least, in whole slabs of their class."""
-        c = self.class_for(length)
-        return -(-count // self.classes[c].slab_slots) * self.slab_bytes(c)
+    def bytes_for(self, length: int) -> int:
+        """What one sequence of ``length`` positions takes at least: the first slab of its class."""
+        c = self.classes[self.class_for(length)]
+        return min(_MIN_SLOTS, c.slab_slots) * c.capacity * self.bytes_per_token
 
     # ---- placing sequences ---------------------------------------------------------------------------------
-    def fits(self, length: int, count: int = 1) -> bool:
-        """Whether ``count`` new sequences of ``length`` positions could be placed now (evicting prefix blocks and
-        freeing empty slabs as needed)."""
+    def fits(self, length: int) -> bool:
+        """Whether a new sequence of ``length`` positions could be placed now (evicting prefix blocks and freeing
+        empty slabs of other classes as needed)."""
         c = self.classes[self.class_for(length)]
-        free_slots = len(c.slabs) * c.slab_slots - len(c.occupants)
-        missing = max(0, count - free_slots)
-        needed = -(-missing // c.slab_slots) * self.slab_bytes(self.classes.index(c))
-        return needed <= self.budget - self.num_bytes + self._reclaimable(exclude=c)
+        if len(c.occupants) < sum(slab.num_slots for slab in c.slabs):
+            return True
+        return self._next_slots(c)[1] <= self.budget - self.num_bytes + self._reclaimable(exclude=c)
 
     def place(self, owner: Occupant, length: int) -> bool:
         """Give ``owner`` a slot of at least ``length`` positions; False when the budget has no room for it."""
         index = self.class_for(length)
         c = self.classes[index]
-        if len(c.occupants) == len(c.slabs) * c.slab_slots:
-            if not self._make_room(self.slab_bytes(index), keep=c):
+        if len(c.occupants) == sum(slab.num_slots for slab in c.slabs):
+            slots, size = self._next_slots(c)
+            if not self._make_room(size, keep=c):
                 return False
-            c.slabs.append(self._new_slab(c))
+            if c.slabs and c.slabs[-1].num_slots < c.slab_slots:
+                c.slabs[-1].ensure(slots, c.capacity)  # the first slab doubles (a copy: old and new counted)
+            else:
+                c.slabs.append(self._new_slab(c, slots))
         owner.kv_slot = SlotRef(index, len(c.occupants))
         c.occupants.append(owner)
         return True
+
+    def _next_slots(self, c: _SizeClass) -> tuple[int, int]:
+        """How a full class makes room for one more sequence: ``(slots, bytes to allocate)``. A class's first slab
+        starts at four slots and doubles up to a whole slab (memory follows the load; the doubling copy holds the
+        old slab beside the new one, and the budget counts both); the next slabs are whole."""
+        if not c.slabs:
+            slots = min(_MIN_SLOTS, c.slab_slots)
+        elif c.slabs[-1].num_slots < c.slab_slots:
+            slots = min(2 * c.slabs[-1].num_slots, c.slab_slots)
+        else:
+            slots = c.slab_slots
+        return slots, slots * c.capacity * self.bytes_per_token
 
     def grow(self, owner: Occupant, length: int) -> bool:
         """Make ``owner``'s slot hold ``length`` positions, moving it up a class (one copy of what it has cached)
@@ -333,9 +344,9 @@ class KVSpace:
     def _locate(self, ref: SlotRef) -> tuple[KVCache, int]:
         return self.classes[ref.size_class].locate(ref.index)
 
-    def _new_slab(self, c: _SizeClass) -> KVCache:
+    def _new_slab(self, c: _SizeClass, slots: int) -> KVCache:
         slab = KVCache(*self.dims, self.dtype, self.device, c.slab_slots, c.capacity)
-        slab.ensure(c.slab_slots, c.capacity)
+        slab.ensure(slots, c.capacity)
         return slab
 
     def _vacate(self, owner: Occupant) -> None:

@@ -279,3 +279,16 @@ def test_image_features_enter_the_key_of_the_blocks_they_fall_in() -> None:
     assert _embeds_digest(a, 0) == _embeds_digest(b, 0) == b""
     assert _embeds_digest(a, 4) != _embeds_digest(b, 4)
     assert _embeds_digest(a, 4) == _embeds_digest(PromptEmbeds(positions, torch.ones(10, 8)), 4)
+
+
+def test_a_class_first_slab_starts_small_and_doubles_keeping_contents() -> None:
+    s = space(budget_tokens=1 << 16, max_slots=16)  # a whole slab of the smallest class: 16 slots of 256
+    owners = [Owner(f"o{i}") for i in range(9)]
+    s.place(owners[0], 100)
+    fill(s, owners[0], 100, base=9.0)
+    assert s.num_bytes == 4 * 256 * PER_TOKEN  # one light request does not take a whole batch's slab
+    for owner in owners[1:]:
+        assert s.place(owner, 100)
+    assert s.num_bytes == 16 * 256 * PER_TOKEN  # 4 -> 8 -> 16 slots, still one slab (one attention call)
+    assert len(s.classes[0].slabs) == 1
+    assert torch.equal(read(s, owners[0], 100), expected(100, 9.0))
