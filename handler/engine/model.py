@@ -25,13 +25,16 @@ import torch.nn.functional as F
 from handler.engine.checkpoint import read_tensors
 from handler.engine.kv_cache import KEY_BLOCK, KVCache, KVSpace, whole_blocks
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.moe import GatedMLP, SparseMoE, load_moe
+from handler.engine.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
 from handler.engine.support import (
+    GEMMA_TYPES,
+    layer_rope_configs,
     moe_layers,
     original_max_positions,
     rope_layers,
     rope_parameters,
     rope_type,
+    sliding_layers,
     with_family_defaults,
 )
 
@@ -42,7 +45,9 @@ class Layer:
     attention and before the MLP); olmo2 has neither but ``attn_out_norm`` and ``mlp_out_norm`` (on each sublayer's
     output, before the residual add). ``split`` turns the qkv projection into q, k (normed where the family norms
     them, rotated where the layer uses RoPE) and v: picked at load, so a family pays only for what it has. ``mlp``
-    is the feed-forward sublayer: a gated MLP, or an MoE layer's router and experts (``moe``)."""
+    is the feed-forward sublayer: a gated MLP, or an MoE layer's router and experts (``moe``). The gemma families
+    have all four norms (``post_norm`` before the MLP, the two ``*_out_norm`` on the sublayers' outputs);
+    ``sliding``: the layer attends within the model's sliding window."""
 
     input_norm: torch.Tensor | None
     qkv: DenseLinear | Int8DynamicLinear
@@ -52,6 +57,7 @@ class Layer:
     split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    sliding: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,9 @@ class StepLayout:
     its block's end), so it is the same number whether its prompt is prefilled whole, in chunks, or after a cached
     prefix, and whatever else is in the step (measured: keys read up to the chunk's end made a prefix's rows
     differ between a 24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart).
+
+    ``window_decode_masks`` / ``window_prefill_masks``: the same shapes for a model's sliding-window layers (a query
+    at ``p`` sees keys in ``(p - window, p]``), None until a model with such layers needs them (``with_window``).
     """
 
     num_decode: int
@@ -90,6 +99,9 @@ class StepLayout:
     decode_masks: list[torch.Tensor]
     prefill_blocks: list[tuple[object, int, int]]
     prefill_masks: list[torch.Tensor]
+    window: int | None = None
+    window_decode_masks: list[torch.Tensor] | None = None
+    window_prefill_masks: list[torch.Tensor] | None = None
 
 
 def read_config(model_dir: Path) -> dict:
@@ -133,36 +145,69 @@ class DecoderModel:
         state = load_state_dict(model_dir) if state is None else state
         family = config.get("model_type")
         granite = family == "granite"
+        self.gemma = family in GEMMA_TYPES
         make = self._dense  # handler.engine.quantize swaps in int8 layers after calibration
         embed = state["model.embed_tokens.weight"]
         # granite scales the embeddings, each sublayer's output and the logits: folded into the weights
         self.embed = (embed * config["embedding_multiplier"] if granite else embed).to(device, dtype)
+        if self.gemma:  # scaled by sqrt(hidden) in the embedding's dtype, as transformers does (not the tied head)
+            self.embed = self.embed * torch.tensor(self.shape.hidden_size**0.5, dtype=dtype)
         self.post_norms = family == "olmo2"
+        sliding = sliding_layers(config)
+        self.window: int | None = config["sliding_window"] if any(sliding) else None
+        # gemma2's softcaps: tanh(x / cap) * cap on the attention scores and on the logits (gemma3's config may
+        # name an attention cap, which transformers does not apply)
+        self.attn_softcap: float | None = config.get("attn_logit_softcapping") if family == "gemma2" else None
+        self.final_softcap: float | None = config.get("final_logit_softcapping") if self.gemma else None
         rope, moe = rope_layers(config), moe_layers(config)
-        self.layers = [self._layer(state, i, make, config, rope[i], moe[i]) for i in range(self.shape.num_layers)]
-        self.final_norm = state["model.norm.weight"].to(device, dtype)
+        self.layers = [self._layer(state, i, make, config, rope[i], moe[i], sliding[i])
+                       for i in range(self.shape.num_layers)]
+        self.final_norm = self._norm(state, "model.norm.weight")
         head = state.get("lm_head.weight", embed)  # tied embeddings
         self.lm_head = make(head / config["logits_scaling"] if granite else head, None)
-        self.cos, self.sin = self._rotary_tables(config)
+        self.cos, self.sin = self._rope(config)
         self.attention_tokens = attention_tokens(config, self.shape)
-        self._blocks = self._post_norm_blocks if self.post_norms else self._pre_norm_blocks
+        self._blocks = (self._sandwich_blocks if self.gemma
+                        else self._post_norm_blocks if self.post_norms else self._pre_norm_blocks)
 
     def _dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
         bias = None if bias is None else bias.to(self.device, self.dtype)
         return DenseLinear(weight.to(self.device, self.dtype), bias)
 
     def _norm(self, state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        return state[name].to(self.device, self.dtype)
+        return self._norm_weight(state[name]).to(self.device, self.dtype)
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm's multiplier: the gemma families' norms multiply by ``1 + w`` (computed in fp32 there)."""
+        return weight.float() + 1.0 if self.gemma else weight
+
+    def _layer_norms(self, state: dict[str, torch.Tensor], p: str) -> dict[str, torch.Tensor | None]:
+        """Which of a layer's norms each family has, and where they sit (``Layer``)."""
+        def norm(name: str) -> torch.Tensor:
+            return self._norm(state, f"{p}{name}_layernorm.weight")
+
+        if self.gemma:
+            return {"input_norm": norm("input"), "post_norm": norm("pre_feedforward"),
+                    "attn_out_norm": norm("post_attention"), "mlp_out_norm": norm("post_feedforward")}
+        if self.post_norms:
+            return {"input_norm": None, "post_norm": None, "attn_out_norm": norm("post_attention"),
+                    "mlp_out_norm": norm("post_feedforward")}
+        return {"input_norm": norm("input"), "post_norm": norm("post_attention")}
 
     def _layer(self, state: dict[str, torch.Tensor], i: int, make, config: dict, use_rope: bool,
-               use_moe: bool) -> Layer:
+               use_moe: bool, sliding: bool) -> Layer:
         p = f"model.layers.{i}."
         s = self.shape
         family = config.get("model_type")
         # attention's scale is folded into the query: into the projection (RoPE is linear) or, where q is normed
         # after the projection (which would undo a scaled projection), into the norm's weight
         scale = config["attention_multiplier"] if family == "granite" else s.head_dim**-0.5
-        q_norm = state[f"{p}self_attn.q_norm.weight"] if family in ("qwen3", "qwen3_moe", "olmo2") else None
+        if self.gemma:
+            scale = config["query_pre_attn_scalar"] ** -0.5
+        if self.attn_softcap:  # the scores divided by the cap before tanh (``_attend``): folded in with the scale
+            scale /= self.attn_softcap
+        q_norms = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")
+        q_norm = state[f"{p}self_attn.q_norm.weight"] if family in q_norms else None
         project_scale = 1.0 if q_norm is not None else scale
         attn = _qkv_weights(state, p, family, s)
         attn[0] = attn[0] * project_scale
@@ -180,22 +225,19 @@ class DecoderModel:
             split = partial(_split_and_rotate if use_rope else _split, **heads)
         else:
             k_norm = self._norm(state, f"{p}self_attn.k_norm.weight")
-            q_norm = (q_norm * scale).to(self.device, self.dtype)
+            q_norm = (self._norm_weight(q_norm) * scale).to(self.device, self.dtype)
             if family == "olmo2":  # over the whole q and k projections
                 split = partial(_split_norm_rotate, **heads, q_norm=q_norm, k_norm=k_norm, eps=s.rms_norm_eps)
-            else:  # qwen3: over each head, one weight per head dim
+            else:  # qwen3, gemma3_text: over each head, one weight per head dim
                 weight = torch.cat([q_norm.expand(s.num_heads, -1), k_norm.expand(s.num_kv_heads, -1)])
                 split = partial(_split_head_norm_rotate, **heads, qk_norm=weight, eps=s.rms_norm_eps)
-        post = self.post_norms
         return Layer(
-            input_norm=None if post else self._norm(state, f"{p}input_layernorm.weight"),
+            **self._layer_norms(state, p),
             qkv=make(torch.cat(attn), qkv_bias),
             out=make(out_weight, out_bias),
-            post_norm=None if post else self._norm(state, f"{p}post_attention_layernorm.weight"),
             mlp=self._feed_forward(state, p, make, config, use_moe, residual),
             split=split,
-            attn_out_norm=self._norm(state, f"{p}post_attention_layernorm.weight") if post else None,
-            mlp_out_norm=self._norm(state, f"{p}post_feedforward_layernorm.weight") if post else None,
+            sliding=sliding,
         )
 
     def _feed_forward(self, state: dict[str, torch.Tensor], p: str, make, config: dict, use_moe: bool,
@@ -209,7 +251,19 @@ class DecoderModel:
         else:
             gate_up = torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]])
         down = state[f"{p}mlp.down_proj.weight"]
-        return GatedMLP(make(gate_up, None), make(down if down_scale is None else down * down_scale, None))
+        activation = ACTIVATIONS["gelu_pytorch_tanh" if self.gemma else "silu"]
+        return GatedMLP(make(gate_up, None), make(down if down_scale is None else down * down_scale, None),
+                        activation)
+
+    def _rope(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[max_positions, head_dim]``; for the gemma families ``[2, max_positions, head_dim]``, the
+        full-attention layers' table then the sliding layers' (gemma3_text's differ, gemma2's are one)."""
+        configs = layer_rope_configs(config)
+        cos, sin = self._rotary_tables(configs[False])
+        if not self.gemma:
+            return cos, sin
+        local_cos, local_sin = (cos, sin) if configs[True] is configs[False] else self._rotary_tables(configs[True])
+        return torch.stack([cos, local_cos]), torch.stack([sin, local_sin])
 
     def _rotary_tables(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for every position: ``[max_positions, head_dim]``.
@@ -227,6 +281,10 @@ class DecoderModel:
         from transformers import AutoConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+        if config.get("model_type") == "gemma3_text":  # one layer type's settings, flat: as llama's config has them
+            keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                    "rope_parameters")
+            config = {"model_type": "llama", **{key: config[key] for key in keys if key in config}}
         hf_config = AutoConfig.for_model(**config)
         rotary = LlamaRotaryEmbedding(hf_config)
         positions = torch.arange(_rotary_positions(config, self.shape.max_position_embeddings)).unsqueeze(0)
@@ -258,10 +316,16 @@ class DecoderModel:
         x = F.embedding(tokens, self.embed)  # [rows, hidden]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [rows, 1, head_dim]
+        # [rows, 1, head_dim] (gemma: [2, rows, 1, head_dim], full-attention and sliding layers' tables)
+        cos, sin = self.cos[..., positions, :].unsqueeze(-2), self.sin[..., positions, :].unsqueeze(-2)
+        if self.window is not None and layout.window != self.window:
+            with_window(layout, self.window, self.shape.num_heads // self.shape.num_kv_heads)
         x = self._blocks(x, cos, sin, layout, cache)
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, self.shape.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
     def _pre_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
                          cache: KVCache | KVSpace) -> torch.Tensor:
@@ -282,18 +346,35 @@ class DecoderModel:
             x = x + F.rms_norm(layer.mlp(x), (x.shape[-1],), layer.mlp_out_norm, eps)
         return x
 
+    def _sandwich_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                         cache: KVCache | KVSpace) -> torch.Tensor:
+        """gemma2, gemma3_text: pre-norms, and norms on each sublayer's output before the residual add; a sliding
+        layer attends within the window, with its own RoPE table (``_rope``)."""
+        eps = self.shape.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            kind = int(layer.sliding)
+            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            h = layer.out(self._attention(*layer.split(layer.qkv(h), cos[kind], sin[kind]), index, layout, cache,
+                                          sliding=layer.sliding))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
+            h = layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.mlp_out_norm, eps)
+        return x
+
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
-                   cache: KVCache | KVSpace) -> torch.Tensor:
+                   cache: KVCache | KVSpace, sliding: bool = False) -> torch.Tensor:
         s = self.shape
         rows = q.shape[0]
         out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
+        decode_masks = layout.window_decode_masks if sliding else layout.decode_masks
+        prefill_masks = layout.window_prefill_masks if sliding else layout.prefill_masks
         row = 0
-        for (group, count), mask in zip(layout.decode_groups, layout.decode_masks, strict=True):
+        for (group, count), mask in zip(layout.decode_groups, decode_masks, strict=True):
             rows = slice(row, row + count)
             cache.write_decode(layer, group, k[rows], v[rows], layout.decode_positions[rows])
             out[rows] = self._decode_attention(q[rows], layer, group, mask, cache)
             row += count
-        for (slot, start, length), mask in zip(layout.prefill_blocks, layout.prefill_masks, strict=True):
+        for (slot, start, length), mask in zip(layout.prefill_blocks, prefill_masks, strict=True):
             block = slice(row, row + length)
             cache.write_prefill(layer, slot, start, k[block], v[block])
             out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache)
@@ -306,7 +387,7 @@ class DecoderModel:
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
         # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask)
+        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask, self.attn_softcap)
         return out.reshape(n, s.num_heads * s.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,
@@ -315,7 +396,7 @@ class DecoderModel:
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.prefill_view(layer, slot, length)  # [1, kv_heads, length, head_dim]
         q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
-        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask)
+        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.attn_softcap)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
 
 
@@ -348,19 +429,24 @@ def attention_tokens(config: dict, s: ModelShape) -> int:
     return max(1, (attention + 3 * s.hidden_size * ffn) // (2 * s.num_heads * s.head_dim))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            softcap: float | None = None) -> torch.Tensor:
     """``softmax(q k^T + mask) v`` (q already carries 1/sqrt(head_dim)); ``mask`` is 0 where a query may attend,
-    -inf elsewhere.
+    -inf elsewhere. With ``softcap`` (gemma2) the scores are ``tanh(q k^T) * softcap`` before the mask, q carrying
+    ``1 / softcap`` too: torch's tanh computes every element alike wherever it falls in a vector (measured: the
+    same bits alone, at any offset or in any batch), so capped rows stay independent of their neighbours.
 
     On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
     by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
     threads: 1 row against 3 differed by 6e-8, which int8 turned into a different logprob 12 tokens later). Here
     no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
     value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" and softcap is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=1.0)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).add_(mask)
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    if softcap is not None:
+        scores = torch.tanh(scores).mul_(softcap)
+    return torch.matmul(torch.softmax(scores.add_(mask), dim=-1), values)
 
 
 @torch.jit.script
@@ -422,27 +508,55 @@ def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[object, int, int]], groups: int,
-                 device: torch.device, decode_groups: list[tuple[object, int]] | None = None) -> StepLayout:
+                 device: torch.device, decode_groups: list[tuple[object, int]] | None = None,
+                 window: int | None = None) -> StepLayout:
     """Positions tensor and attention masks (0 where a query may attend, -inf elsewhere) for one step. Each decode
     group's attention reads its longest row's keys rounded up to whole KEY_BLOCKs (the rest are masked out).
-    Without ``decode_groups`` the decode rows are slots ``0..n-1`` of a dense ``KVCache``."""
+    Without ``decode_groups`` the decode rows are slots ``0..n-1`` of a dense ``KVCache``. ``window``: also the
+    masks of sliding-window layers (else the model adds them when it has such layers, ``with_window``)."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
     if decode_groups is None:
         decode_groups = [((0, num_decode), num_decode)] if num_decode else []
+    blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
+    decode_masks, masks = _masks(decode_positions, positions, decode_groups, blocks, groups, None)
+    layout = StepLayout(num_decode, positions, decode_groups, decode_masks, blocks, masks)
+    return layout if window is None else with_window(layout, window, groups)
+
+
+def with_window(layout: StepLayout, window: int, groups: int) -> StepLayout:
+    """Adds the masks of sliding-window layers to ``layout``: a query at ``p`` sees keys in ``(p - window, p]``
+    (transformers' ``sliding_window_overlay``), over the same whole KEY_BLOCKs as the full masks."""
+    positions = layout.decode_positions
+    layout.window_decode_masks, layout.window_prefill_masks = _masks(
+        positions.tolist(), positions, layout.decode_groups, layout.prefill_blocks, groups, window)
+    layout.window = window
+    return layout
+
+
+def _masks(decode_positions: list[int], positions: torch.Tensor, decode_groups: list[tuple[object, int]],
+           blocks: list[tuple[object, int, int]], groups: int,
+           window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The decode groups' masks and the prefill blocks' (``StepLayout``), causal and, with ``window``, within it."""
+    device = positions.device
     decode_masks, row = [], 0
     for _handle, count in decode_groups:
         rows = positions[row:row + count]
         keys = torch.arange(whole_blocks(max(decode_positions[row:row + count]) + 1), device=device)
-        decode_masks.append(_additive(keys <= rows[:, None]).view(count, 1, 1, -1))
+        decode_masks.append(_additive(_allowed(keys, rows, window)).view(count, 1, 1, -1))
         row += count
-    blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
     masks = []
     for _slot, start, length in blocks:
         query_pos = torch.arange(start, start + length, device=device).repeat(groups)  # (group, t) order
         keys = torch.arange(whole_blocks(start + length), device=device)
-        masks.append(_additive(keys <= query_pos[:, None]).view(1, 1, groups * length, -1))
-    return StepLayout(num_decode, positions, decode_groups, decode_masks, blocks, masks)
+        masks.append(_additive(_allowed(keys, query_pos, window)).view(1, 1, groups * length, -1))
+    return decode_masks, masks
+
+
+def _allowed(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[queries, keys]``: True where the query at that position may attend the key."""
+    allowed = keys <= queries[:, None]
+    return allowed if window is None else allowed & (keys > queries[:, None] - window)
 
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +38,23 @@ import torch.nn.functional as F
 from handler.engine.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.support import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
 
+# the gate's activation by its transformers name (``ACT2FN``): gelu_pytorch_tanh is the gemma families'
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
 
 @dataclass(slots=True)
 class GatedMLP:
-    """``down(silu(gate) * up)``, gate and up fused into one projection (gate rows first)."""
+    """``down(activation(gate) * up)``, gate and up fused into one projection (gate rows first); SiLU unless the
+    family's MLP says otherwise (``ACTIVATIONS``)."""
 
     gate_up: DenseLinear | Int8DynamicLinear
     down: DenseLinear | Int8DynamicLinear
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
 
 
 @dataclass(slots=True)

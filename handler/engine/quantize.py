@@ -8,7 +8,11 @@ so it costs nothing at run time: the RMSNorm weight before q/k/v and gate/up, th
 output projection (attention is linear in V), and the up projection before the down projection. A post-norm
 block (olmo2) has no norm before q/k/v or gate/up (they read the residual stream itself), so those two stay
 unsmoothed there (quantised as they are); q/k norms (qwen3, olmo2) act on the projection's output, which input
-smoothing leaves unchanged.
+smoothing leaves unchanged. The gemma families' four norms (``x * (1 + w)``, the offset folded into the weight at
+load) are smoothed like the pre-norm block's: ``input_layernorm`` feeds q/k/v and ``pre_feedforward_layernorm``
+gate/up; the two norms on the sublayers' outputs act after out and down, which smoothing leaves unchanged. The
+gated MLP's ``act(gate) * up`` is linear in up whatever the activation (GELU-tanh there), so down is smoothed through
+up as for SiLU.
 
 An MoE layer (qwen3_moe, qwen2_moe, mixtral) goes int8 too, expert by expert: the post-attention norm feeds the
 router and every expert, so one factor per channel serves them all (from the largest weight of any expert's gate/up
@@ -152,7 +156,7 @@ def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
     s = smoothing_factors(stat["down"], mlp.down.weight)
     gate_up[mlp.down.weight.shape[1]:] /= s[:, None]  # up rows: silu(gate) * up is linear in up
     down = mlp.down.weight * s
-    layer.mlp = GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None))
+    layer.mlp = GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None), mlp.activation)
 
 
 def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
@@ -185,7 +189,7 @@ def _quantize_expert(expert: GatedMLP, s: torch.Tensor | None, down_act: torch.T
         down_s = smoothing_factors(down_act, down)
         gate_up[down.shape[1]:] /= down_s[:, None]
         down = down * down_s
-    return GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None))
+    return GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None), expert.activation)
 
 
 def _scaled_bias(bias: torch.Tensor | None, v_start: int, v_s: torch.Tensor) -> torch.Tensor | None:

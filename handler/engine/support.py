@@ -22,6 +22,18 @@ layer attending to every earlier position. The families it runs are that block w
   gated MLP on every row, scaled by ``sigmoid(shared_expert_gate(x))``).
 - mixtral: mistral's attention; every layer's MLP a sparse mixture of ``num_local_experts`` gated MLPs, top
   ``num_experts_per_tok``, always renormalised (``router_jitter_noise`` and the aux loss act only in training).
+- gemma2: RMSNorm ``x * (1 + w)``; embeddings scaled by ``sqrt(hidden_size)`` (the tied LM head reads them
+  unscaled); a GELU-tanh gated MLP (``hidden_activation`` ``gelu_pytorch_tanh``); four norms per layer
+  (``input_layernorm``, ``post_attention_layernorm`` on the attention output before the residual add,
+  ``pre_feedforward_layernorm``, ``post_feedforward_layernorm`` on the MLP output); attention scale
+  ``query_pre_attn_scalar ** -0.5``; ``attn_logit_softcapping`` (``tanh(s / cap) * cap`` on the scores, before the
+  mask) and ``final_logit_softcapping`` on the logits; sliding-window attention (a query at ``p`` sees keys in
+  ``(p - sliding_window, p]``) on the layers ``layer_types`` marks (by default every other one, from the first).
+- gemma3_text: gemma2's block with (1 + w) RMSNorm on each q and k head, no attention softcapping (transformers
+  ignores ``attn_logit_softcapping`` there), the sliding layers by ``layer_types`` (by default all but every
+  ``sliding_window_pattern``-th) and RoPE per layer type (``rope_parameters`` keyed by ``sliding_attention`` /
+  ``full_attention``; older configs: ``rope_local_base_freq`` for local layers, ``rope_theta`` and
+  ``rope_scaling`` for global ones).
 
 A checkpoint that needs anything else would run and answer wrongly, so it is refused instead, with the reason: the
 model type, a config feature, or a tensor the lean model would not read (or lacks).
@@ -37,7 +49,11 @@ from handler.engine.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "phi3", "qwen3_moe",
-                    "qwen2_moe", "mixtral")
+                    "qwen2_moe", "mixtral", "gemma2", "gemma3_text")
+# families whose RMSNorm is x * (1 + w), embeddings scaled by sqrt(hidden), with four norms per layer and
+# sliding-window layers (``sliding_layers``)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+_GEMMA_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 # rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
 # nothing up to max_position_embeddings, which bounds our context)
 LEAN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -59,6 +75,8 @@ _FAMILY_LAYER_TENSORS = {
     + ("post_feedforward_layernorm.weight",) + _QK_NORMS,
     "phi3": ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
              "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
+    "gemma2": _LAYER_TENSORS + _GEMMA_NORMS,
+    "gemma3_text": _LAYER_TENSORS + _GEMMA_NORMS + _QK_NORMS,
 }
 _NO_OPTIONAL_TENSORS = ("phi3",)  # its projections have no biases
 # per MoE family, under the layer's prefix: the router, and one expert's gate, up and down ("{e}" its index)
@@ -92,7 +110,14 @@ _FAMILY_DEFAULTS = {
                   "decoder_sparse_step": 1, "mlp_only_layers": []},
     "mixtral": {"rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
                 "num_experts_per_tok": 2},
+    "gemma2": {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+               "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096},
 }
+_GEMMA_ACTIVATION = "gelu_pytorch_tanh"
+_GEMMA3_THETA = {"full_attention": 1000000.0, "sliding_attention": 10000.0}
 _DEFAULT_NUM_EXPERTS = {"qwen3_moe": 128, "qwen2_moe": 60, "mixtral": 8}
 
 
@@ -137,6 +162,43 @@ def rope_layers(config: dict) -> list[bool]:
         interval = with_family_defaults(config)["no_rope_layer_interval"]
         return [(i + 1) % interval != 0 for i in range(layers)]
     return [bool(flag) for flag in flags]
+
+
+def sliding_layers(config: dict) -> list[bool]:
+    """Per layer, whether it attends within ``sliding_window`` (gemma2, gemma3_text): ``layer_types`` where the
+    config has it, else transformers' config rule (gemma2: every other layer from the first; gemma3_text: all but
+    every ``sliding_window_pattern``-th). False for every layer of the other families (they are refused when a
+    window would bind)."""
+    layers = config.get("num_hidden_layers", 0)
+    family = config.get("model_type")
+    if family not in GEMMA_TYPES:
+        return [False] * layers
+    if (layer_types := config.get("layer_types")) is not None:
+        return [kind == "sliding_attention" for kind in layer_types]
+    pattern = 2 if family == "gemma2" else config.get("sliding_window_pattern", 6)
+    return [(i + 1) % pattern != 0 for i in range(layers)]
+
+
+def layer_rope_configs(config: dict) -> dict[bool, dict]:
+    """The config each kind of layer computes its RoPE from, keyed by ``sliding``: gemma3_text's per layer type
+    settings flattened into ``rope_parameters`` (transformers 5's nested form, or the older ``rope_theta`` /
+    ``rope_scaling`` for global layers and ``rope_local_base_freq`` for local ones); the config itself for both
+    kinds elsewhere."""
+    if config.get("model_type") != "gemma3_text":
+        return {False: config, True: config}
+    nested = config.get("rope_parameters") or {}
+    kinds = {}
+    for sliding, kind in ((False, "full_attention"), (True, "sliding_attention")):
+        if kind in nested:
+            rope = {"rope_type": "default", "rope_theta": _GEMMA3_THETA[kind], **(nested[kind] or {})}
+        elif sliding:
+            rope = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", _GEMMA3_THETA[kind])}
+        else:
+            scaling = config.get("rope_scaling") or {}
+            rope = {"rope_type": "default", **scaling, "rope_theta": config.get("rope_theta", _GEMMA3_THETA[kind])}
+        flat = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        kinds[sliding] = {**flat, "rope_parameters": rope}
+    return kinds
 
 
 def num_experts(config: dict) -> int:
@@ -186,15 +248,19 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method", "?")
         reasons.append(f"pre-quantised weights (quantization_config {method})")
-    if (act := config.get("hidden_act", "silu")) != "silu":
+    if model_type in GEMMA_TYPES:
+        reasons += _gemma_problems(config)
+    elif (act := config.get("hidden_act", "silu")) != "silu":
         reasons.append(f"hidden_act {act!r} (only silu)")
-    reasons += _rope_problems(config, max_model_len) + _moe_problems(config)
+    for rope_config in {id(c): c for c in layer_rope_configs(config).values()}.values():
+        reasons += _rope_problems(rope_config, max_model_len)
+    reasons += _moe_problems(config)
     if config.get("mlp_bias"):
         reasons.append("mlp_bias")
     if model_type == "smollm3" and len(rope_layers(config)) != config.get("num_hidden_layers", 0):
         reasons.append(f"no_rope_layers of {len(config['no_rope_layers'])} entries for "
                        f"{config.get('num_hidden_layers', 0)} layers")
-    if (window := sliding_window(config)) is not None and window < max_model_len:
+    if model_type not in GEMMA_TYPES and (window := sliding_window(config)) is not None and window < max_model_len:
         reasons.append(f"sliding_window {window} (exact only up to that many positions: set "
                        f"option.max_model_len to at most {window}, now {max_model_len})")
     return reasons
@@ -212,6 +278,21 @@ def _rope_problems(config: dict, max_model_len: int) -> list[str]:
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         reasons.append(f"partial_rotary_factor {partial}")
+    return reasons
+
+
+def _gemma_problems(config: dict) -> list[str]:
+    reasons = []
+    if (act := config.get("hidden_activation") or _GEMMA_ACTIVATION) != _GEMMA_ACTIVATION:
+        reasons.append(f"hidden_activation {act!r} (only {_GEMMA_ACTIVATION})")
+    if config.get("use_bidirectional_attention"):
+        reasons.append("use_bidirectional_attention")
+    layers, layer_types = config.get("num_hidden_layers", 0), config.get("layer_types")
+    if layer_types is not None and (len(layer_types) != layers
+                                    or set(layer_types) - {"sliding_attention", "full_attention"}):
+        reasons.append(f"layer_types {layer_types} (for {layers} layers of sliding_attention / full_attention)")
+    elif any(sliding_layers(config)) and not with_family_defaults(config).get("sliding_window"):
+        reasons.append("sliding_attention layers without a sliding_window")
     return reasons
 
 
@@ -245,7 +326,7 @@ def sliding_window(config: dict) -> int | None:
 def _tensor_problems(config: dict, names: set[str]) -> list[str]:
     optional = () if config.get("model_type") in _NO_OPTIONAL_TENSORS else _OPTIONAL_LAYER_TENSORS
     required = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.get("tie_word_embeddings", False):
+    if not with_family_defaults(config).get("tie_word_embeddings", False):
         required.add("lm_head.weight")
     known = required | {"lm_head.weight"}
     for i, moe in enumerate(moe_layers(config)):

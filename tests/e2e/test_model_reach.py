@@ -59,11 +59,12 @@ PROMPTS = ["The weather today is", "Once upon a time, in a land far away, there 
 @pytest.mark.parametrize(("model_type", "overrides", "path"), [
     ("llama", LLAMA3, "lean"),
     ("qwen3", {}, "lean"),
-    ("gemma2", {"head_dim": 16, "sliding_window": 8}, "transformers"),
+    ("gemma2", {"head_dim": 16, "sliding_window": 8}, "lean"),
     ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
-     "transformers"),
+     "lean"),
+    ("gemma", {"head_dim": 16}, "transformers"),
     ("phi3", {}, "lean"),
-], ids=["llama3-lean", "qwen3-lean", "gemma2", "gemma3_text", "phi3-lean"])
+], ids=["llama3-lean", "qwen3-lean", "gemma2-lean", "gemma3_text-lean", "gemma-transformers", "phi3-lean"])
 def test_a_checkpoint_is_served_exactly_alone_and_batched(tmp_path: Path, model_type: str, overrides: dict,
                                                            path: str) -> None:
     folder = build_tiny(tmp_path / model_type, model_type, **overrides)

@@ -32,6 +32,11 @@ LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 256,
             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
 # 8 small experts: a few hundred tokens reach every one of them, and none is computed needlessly large
 QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# a window of 48 binds within the tests' 200-token sequences and crosses KEY_BLOCK boundaries; caps small enough
+# that tanh bends the random checkpoint's scores and logits (measured: without either tanh the logits move by more
+# than 2e-3, twenty times the tolerance)
+GEMMA2 = {"head_dim": 16, "sliding_window": 48, "attn_logit_softcapping": 0.02, "final_logit_softcapping": 1.0}
+GEMMA3 = {"head_dim": 16, "sliding_window": 48, "layer_types": ["sliding_attention", "full_attention"]}
 
 CONFIGS = {
     "llama": ("llama", {}),
@@ -60,9 +65,17 @@ CONFIGS = {
                                                       "mlp_only_layers": [1], "attention_bias": True}),
     "qwen2_moe": ("qwen2_moe", {**QWEN3_MOE, "shared_expert_intermediate_size": 48}),  # with q/k/v biases
     "mixtral": ("mixtral", {}),  # 8 experts of intermediate 128, top-2
+    "gemma2": ("gemma2", GEMMA2),  # layer 0 sliding, layer 1 full (transformers' default layer_types)
+    "gemma2-tied-default-caps": ("gemma2", {"head_dim": 16, "sliding_window": 48, "tie_word_embeddings": True}),
+    "gemma3_text": ("gemma3_text", GEMMA3),  # local RoPE theta 1e4 on layer 0, global 1e6 on layer 1
+    "gemma3_text-rope-linear-final-cap": ("gemma3_text", {
+        **GEMMA3, "layer_types": ["full_attention", "sliding_attention"], "final_logit_softcapping": 1.0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}}),
 }
 # the families added to the llama block: each also through the Engine (loader, path choice, runner)
-ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2", "phi3-longrope", "qwen3_moe", "qwen2_moe", "mixtral")
+ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2", "phi3-longrope", "qwen3_moe", "qwen2_moe", "mixtral",
+                   "gemma2", "gemma3_text")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -126,8 +139,9 @@ def test_lean_logits_match_transformers_batched_beside_decode_rows(checkpoint: P
 
 
 def test_int8_serves_every_family_close_to_dense_and_chunking_invariant(checkpoint: Path) -> None:
-    """int8 (SmoothQuant folded into the pre-norms where a family has them; olmo2's post-norm block leaves q/k/v and
-    gate/up unsmoothed) on every family: the same bits whole or chunked, and near the dense logits."""
+    """int8 (SmoothQuant folded into the pre-norms where a family has them, gemma's (1 + w) ones included; olmo2's
+    post-norm block leaves q/k/v and gate/up unsmoothed) on every family: the same bits whole or chunked, and near
+    the dense logits."""
     ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     calibration = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(3)).tolist()
     dense = logits_in_chunks(DecoderModel(checkpoint, dtype=torch.float32, device=torch.device("cpu")), ids, [])

@@ -18,8 +18,6 @@ from tests.tiny_checkpoints import build_tiny
 # model type -> config overrides a tiny checkpoint needs (MoE: a few small experts)
 FAMILIES = {
     "gemma": {"head_dim": 16},
-    "gemma2": {"head_dim": 16, "sliding_window": 8},
-    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "stablelm": {},
     "cohere": {},
     "gpt_neox": {},
@@ -54,6 +52,8 @@ FORCED = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 32},
+    "gemma2": {"head_dim": 16, "sliding_window": 8},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
 }
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 23, 11, 4, 4242, 77, 3], [8, 9, 10], list(range(100, 140))]
 

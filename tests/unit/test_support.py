@@ -7,10 +7,12 @@ import pytest
 from handler.engine.support import (
     UnsupportedModel,
     check_lean,
+    layer_rope_configs,
     moe_layers,
     num_experts,
     rope_layers,
     rope_type,
+    sliding_layers,
     sliding_window,
     unsupported_features,
     with_family_defaults,
@@ -41,6 +43,12 @@ QWEN2_MOE_NAMES = (QWEN3_MOE_NAMES - QK_NORMS) | SHARED
 MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 2}
 MIXTRAL_NAMES = (NAMES - MLP) | {"model.layers.0.block_sparse_moe.gate.weight"} | {
     f"model.layers.0.block_sparse_moe.experts.{e}.w{n}.weight" for e in range(2) for n in (1, 2, 3)}
+GEMMA2 = {"model_type": "gemma2", "num_hidden_layers": 1, "hidden_activation": "gelu_pytorch_tanh",
+          "sliding_window": 64, "layer_types": ["sliding_attention"]}  # tied embeddings: gemma's default
+GEMMA2_NAMES = (NAMES - {"lm_head.weight"}) | {f"model.layers.0.{n}_feedforward_layernorm.weight"
+                                               for n in ("pre", "post")}
+GEMMA3 = {**GEMMA2, "model_type": "gemma3_text"}
+GEMMA3_NAMES = GEMMA2_NAMES | QK_NORMS
 
 
 @pytest.mark.parametrize("config", [
@@ -81,6 +89,13 @@ def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
      QWEN2_MOE_NAMES),
     (MIXTRAL, MIXTRAL_NAMES),
     ({**MIXTRAL, "sliding_window": 4096, "router_jitter_noise": 0.1}, MIXTRAL_NAMES),  # jitter: training only
+    (GEMMA2, GEMMA2_NAMES),  # a window shorter than max_model_len: gemma's sliding layers are implemented
+    ({**GEMMA2, "layer_types": None, "hidden_activation": None}, GEMMA2_NAMES),  # transformers' defaults
+    ({**GEMMA2, "tie_word_embeddings": False}, GEMMA2_NAMES | {"lm_head.weight"}),
+    (GEMMA3, GEMMA3_NAMES),
+    ({**GEMMA3, "attn_logit_softcapping": 50.0}, GEMMA3_NAMES),  # transformers' gemma3 does not apply it
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                                    "sliding_attention": {"rope_type": "default"}}}, GEMMA3_NAMES),
 ])
 def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, names: set[str]) -> None:
     check_lean(config, names, 4096)
@@ -111,7 +126,15 @@ def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, na
     ({**LLAMA, "model_type": "smollm3", "no_rope_layers": [1, 0]}, "no_rope_layers of 2 entries for 1 layers"),
     ({**LLAMA, "model_type": "granite", "mlp_bias": True}, "mlp_bias"),
     ({**LLAMA, "model_type": "olmo2", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({**LLAMA, "model_type": "gemma2"}, "this model type"),
+    ({**LLAMA, "model_type": "gemma"}, "this model type"),
+    ({**GEMMA2, "hidden_activation": "gelu"}, "hidden_activation 'gelu' (only gelu_pytorch_tanh)"),
+    ({**GEMMA3, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({**GEMMA2, "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({**GEMMA2, "layer_types": ["chunked_attention"]}, "layer_types"),
+    ({**GEMMA2, "sliding_window": None}, "sliding_attention layers without a sliding_window"),
+    ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_type": "longrope"}}}, "rope_type 'longrope'"),
+    ({**GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor 0.5"),
     ({**LLAMA, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**LLAMA, "rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
     ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
@@ -214,6 +237,26 @@ def test_rope_layers() -> None:
 def test_tied_embeddings_need_no_head_and_qkv_biases_are_read() -> None:
     biases = {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
     check_lean({**LLAMA, "tie_word_embeddings": True}, (NAMES - {"lm_head.weight"}) | biases, 4096)
+
+
+def test_gemma_sliding_layers_and_rope_per_layer_type() -> None:
+    four = {"num_hidden_layers": 4}
+    assert sliding_layers({**four, "model_type": "gemma2"}) == [True, False, True, False]
+    assert sliding_layers({**four, "model_type": "gemma3_text", "sliding_window_pattern": 2}) == [True, False] * 2
+    assert sliding_layers({"num_hidden_layers": 7, "model_type": "gemma3_text"}) == [True] * 5 + [False, True]
+    assert sliding_layers({**four, "model_type": "gemma3_text",
+                           "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}) == [False] * 3 + [True]
+    assert sliding_layers({**four, "model_type": "mistral", "sliding_window": 8}) == [False] * 4
+    nested = layer_rope_configs({"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {"rope_theta": 5.0}}})
+    assert nested[False]["rope_parameters"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
+    assert nested[True]["rope_parameters"] == {"rope_type": "default", "rope_theta": 5.0}
+    older = layer_rope_configs({"model_type": "gemma3_text", "rope_theta": 7.0, "rope_local_base_freq": 3.0,
+                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert older[False]["rope_parameters"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 7.0}
+    assert older[True]["rope_parameters"] == {"rope_type": "default", "rope_theta": 3.0}
+    gemma2 = {"model_type": "gemma2", "rope_parameters": {"rope_theta": 9.0}}
+    assert layer_rope_configs(gemma2) == {False: gemma2, True: gemma2}
 
 
 def test_sliding_window_in_effect() -> None:
