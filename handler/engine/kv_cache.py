@@ -99,8 +99,12 @@ class KVCache:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
-        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
-        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+        self.copy_to(src, self, dst, length)
+
+    def copy_to(self, src: int, other: KVCache, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` of ``other`` (all layers)."""
+        other.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
+        other.values[:, dst, :, :length] = self.values[:, src, :, :length]
 
     def load(self, slot: int, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
         """Put precomputed KV (``[layers, kv_heads, length, head_dim]``) at ``start..`` of a slot."""
@@ -252,32 +256,21 @@ class KVSpace:
         ref = owner.kv_slot
         if length <= self.classes[ref.size_class].capacity:
             return True
-        old = SlotRef(ref.size_class, ref.index)
         if not self.place(owner, length):
-            owner.kv_slot = old
+            owner.kv_slot = ref
             return False
-        new = owner.kv_slot
-        src, src_slot = self._locate(old)
-        dst, dst_slot = self._locate(new)
-        n = owner.num_cached
-        dst.keys[:, dst_slot, :, :n] = src.keys[:, src_slot, :, :n]
-        dst.values[:, dst_slot, :, :n] = src.values[:, src_slot, :, :n]
-        owner.kv_slot = old
-        self._vacate(owner)
-        owner.kv_slot = new
+        self._copy(ref, owner.kv_slot, owner.num_cached)
+        self._vacate(ref)
         return True
 
     def free(self, owner: Occupant) -> None:
         if owner.kv_slot is not None:
-            self._vacate(owner)
+            self._vacate(owner.kv_slot)
             owner.kv_slot = None
 
     def copy(self, src: Occupant, dst: Occupant, length: int) -> None:
         """The first ``length`` positions of ``src``'s slot into ``dst``'s (a forked choice)."""
-        a, a_slot = self._locate(src.kv_slot)
-        b, b_slot = self._locate(dst.kv_slot)
-        b.keys[:, b_slot, :, :length] = a.keys[:, a_slot, :, :length]
-        b.values[:, b_slot, :, :length] = a.values[:, a_slot, :, :length]
+        self._copy(src.kv_slot, dst.kv_slot, length)
 
     def release(self) -> None:
         """Give every slab back (no sequence is running); the prefix store stays."""
@@ -349,17 +342,18 @@ class KVSpace:
         slab.ensure(slots, c.capacity)
         return slab
 
-    def _vacate(self, owner: Occupant) -> None:
-        """Free ``owner``'s slot; the class's last occupant moves into it so occupied slots stay ``0..n-1``."""
-        ref = owner.kv_slot
+    def _copy(self, src: SlotRef, dst: SlotRef, length: int) -> None:
+        """The first ``length`` positions of one slot into another, in any slabs."""
+        source, source_slot = self._locate(src)
+        target, target_slot = self._locate(dst)
+        source.copy_to(source_slot, target, target_slot, length)
+
+    def _vacate(self, ref: SlotRef) -> None:
+        """Free slot ``ref``; the class's last occupant moves into it so occupied slots stay ``0..n-1``."""
         c = self.classes[ref.size_class]
         last = c.occupants.pop()
-        if last is not owner:
-            dst, dst_slot = c.locate(ref.index)
-            src, src_slot = c.locate(len(c.occupants))
-            n = last.num_cached
-            dst.keys[:, dst_slot, :, :n] = src.keys[:, src_slot, :, :n]
-            dst.values[:, dst_slot, :, :n] = src.values[:, src_slot, :, :n]
+        if len(c.occupants) != ref.index:
+            self._copy(SlotRef(ref.size_class, len(c.occupants)), ref, last.num_cached)
             c.occupants[ref.index] = last
             last.kv_slot = SlotRef(ref.size_class, ref.index)
 

@@ -17,7 +17,7 @@ from handler.config import memory_amount
 from handler.engine import vision
 from handler.engine.constraints import GrammarCompiler
 from handler.engine.engine import LoadedModel
-from handler.engine.kv_cache import whole_blocks
+from handler.engine.kv_cache import KVSpace, whole_blocks
 from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
@@ -131,8 +131,9 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
         raise tokenizer
-    budget = kv_budget(options, model)
+    budget, how = kv_budget(options, model)
     runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
+    check_budget(runner.space, options.max_model_len, how)
     if encoder is None:  # a vision model's template renders through its processor
         runner.set_shared_prefix(chat_template_prefix(tokenizer))
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
@@ -219,9 +220,9 @@ def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> 
     return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)
 
 
-def kv_budget(options: LoadOptions, model: DecoderModel) -> int:
-    """The KV cache's byte budget, logged; a start error (one line) when it cannot hold one sequence of the
-    context length. The default never exceeds what ``max_running`` full-length sequences would take."""
+def kv_budget(options: LoadOptions, model: DecoderModel) -> tuple[int, str]:
+    """The KV cache's byte budget and where it comes from. The default never exceeds what ``max_running``
+    full-length sequences would take."""
     kv = options.kv_memory
     per_token = model.kv_bytes_per_token()
     ceiling = options.max_running * whole_blocks(options.max_model_len) * per_token
@@ -242,15 +243,18 @@ def kv_budget(options: LoadOptions, model: DecoderModel) -> int:
         budget, how = int(available * share), f"{share:.2g} of the {available / 2**30:.1f} GiB available"
         if fraction is None:
             budget, how = min(budget, ceiling), how + f", at most {options.max_running} full-length sequences"
-    one = model.new_space(max(budget, 1), options.max_model_len, options.max_running).bytes_for(
-        options.max_model_len)
-    if budget < one:
-        raise ConfigError(f"the KV cache budget ({budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
-                          f"option.max_model_len={options.max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
+    return budget, how
+
+
+def check_budget(space: KVSpace, max_model_len: int, how: str) -> None:
+    """Log the budget; a start error (one line) when it cannot hold one sequence of the context length."""
+    one = space.bytes_for(max_model_len)
+    if space.budget < one:
+        raise ConfigError(f"the KV cache budget ({space.budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
+                          f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
                           "option.kv_cache_memory or lower option.max_model_len")
-    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", budget / 2**20, how, budget // per_token,
-             per_token)
-    return budget
+    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
+             space.budget // space.bytes_per_token, space.bytes_per_token)
 
 
 # bytes a CUDA step's activations may need beside the KV cache

@@ -57,11 +57,9 @@ class ModelRunner:
 
     def match_prefix(self, sequence: Sequence) -> None:
         """At admission: the longest cached prefix of what the sequence will prefill (whole blocks from the prefix
-        store, or the shared template prefix), always leaving one token to compute. Not for a prompt whose own
-        logprobs are asked: those need every position's logits."""
+        store, or the shared template prefix), always leaving one token to compute. (The scheduler does not ask
+        for a prompt whose own logprobs are wanted: those need every position's logits.)"""
         target = sequence.prefill_target
-        if sequence.wants_prompt_logprobs:
-            return
         hit, source = 0, None
         store = self.space.prefixes
         if store.enabled and target > PREFIX_BLOCK:

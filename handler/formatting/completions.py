@@ -88,36 +88,33 @@ def _event_chunk(event: TokenEvent, ctx: CompletionsContext, offsets: list[int])
 
 def legacy_logprobs(events: Iterable[TokenEvent], ctx: FormatContext, offset: int = 0) -> tuple[dict, int]:
     """OpenAI's legacy logprobs object for these token events, and the text offset after the last of them."""
-    record: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for event in events:
-        token = ctx.token_text(event.token_id)
-        top = {ctx.token_text(t.token_id): t.logprob for t in event.top_logprobs}
-        top.setdefault(token, event.logprob)
-        record["tokens"].append(token)
-        record["token_logprobs"].append(event.logprob)
-        record["top_logprobs"].append(top)
-        record["text_offset"].append(offset)
-        offset += 0 if event.is_special else len(token)
-    return record, offset
+    return _legacy_record(events, ctx, offset, None)
 
 
 def prompt_legacy_logprobs(entries: Sequence[PromptLogprob], ctx: CompletionsContext) -> dict:
     """The legacy logprobs object of an echoed prompt: its first token has no logprob and no top logprobs (null);
     the others' top logprobs hold the ``logprobs`` most likely tokens and the prompt's own."""
+    return _legacy_record(entries, ctx, 0, ctx.num_logprobs)[0]
+
+
+def _legacy_record(entries: Iterable[TokenEvent | PromptLogprob], ctx: FormatContext, offset: int,
+                   num_top: int | None) -> tuple[dict, int]:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}`` for generated tokens (``num_top`` None: every
+    alternative kept) or prompt tokens (``num_top`` of them; a prompt token without a logprob, the first, has null
+    top logprobs)."""
     record: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
     for entry in entries:
         token = ctx.token_text(entry.token_id)
         top = None
-        if entry.logprob is not None:
-            top = {ctx.token_text(t.token_id): t.logprob for t in entry.top_logprobs[:ctx.num_logprobs]}
+        if entry.logprob is not None or num_top is None:
+            top = {ctx.token_text(t.token_id): t.logprob for t in entry.top_logprobs[:num_top]}
             top.setdefault(token, entry.logprob)
         record["tokens"].append(token)
         record["token_logprobs"].append(entry.logprob)
         record["top_logprobs"].append(top)
         record["text_offset"].append(offset)
         offset += 0 if entry.is_special else len(token)
-    return record
+    return record, offset
 
 
 def vllm_prompt_logprobs(entries: Sequence[PromptLogprob], ctx: CompletionsContext) -> list[dict | None]:
