@@ -45,9 +45,12 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
 def engine_limits(settings: Settings) -> EngineLimits:
     config = json.loads((settings.model_dir / "config.json").read_text())
     if "vision_config" in config:  # a vision-language model: its language model sets the context
-        from handler.engine.vision import text_config
+        from handler.engine.vision import language_config
 
-        config = text_config(config)
+        try:
+            config = language_config(config)
+        except ValueError as error:
+            raise ConfigError(f"{settings.model_dir}: {error}") from None
     return EngineLimits(max_running=settings.max_rolling_batch_size, max_model_len=context_length(settings, config),
                         max_step_tokens=max(settings.max_num_batched_tokens, settings.max_rolling_batch_size + 1))
 
@@ -213,9 +216,6 @@ class ModelService:
 
         settings = self.settings
         model_config = json.loads((settings.model_dir / "config.json").read_text())
-        if "vision_config" in model_config:
-            raise ConfigError("option.rolling_batch=vllm: this server does not pass images to vLLM; a vision-language "
-                              "model is served by the lean engine (option.rolling_batch=lean)")
         device = current_platform.device_type
         num_gpus = 0
         if device == "cuda":
@@ -226,7 +226,12 @@ class ModelService:
         kwargs = engine_kwargs(settings, placement, self.engine.limits.max_model_len, model_config)
         os.environ.update(engine_environment(settings, placement, dict(os.environ)))  # vLLM's processes inherit it
         tokenizer = load_tokenizer(settings.model_dir)
-        self.renderer = PromptRenderer(tokenizer, settings.tool_call_parser)
+        images = None
+        if "vision_config" in model_config:  # vLLM runs the vision tower: the prompt layer hands it decoded images
+            from handler.engine.vision import ImageProcessor
+
+            images = ImageProcessor.load(settings.model_dir)
+        self.renderer = self._renderer(tokenizer, images)
         self.engine_path = "vllm"
         metrics.record_engine_path("vllm", f"option.rolling_batch={settings.rolling_batch}, {device}")
         vocabulary = Vocabulary(tokenizer.backend_tokenizer, eos_token_ids(settings.model_dir, tokenizer),

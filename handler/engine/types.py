@@ -95,6 +95,18 @@ class PromptEmbeds:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """A prompt's images for a backend that runs the model's processor and vision tower itself (vLLM): the prompt
+    as the processor takes it, one placeholder token per image (``GenerationRequest.prompt_ids`` holds the same
+    prompt with the placeholders expanded, as the model sees it), the decoded images in order, and the processor
+    options the request asked for (OpenAI's ``detail: "low"``)."""
+
+    placeholder_ids: tuple[int, ...]
+    images: tuple[object, ...]                          # PIL.Image.Image, RGB
+    processor_kwargs: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One prompt to complete, ``n`` times, with everything the engine needs to do it."""
 
@@ -109,7 +121,8 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     truncate_prompt: bool = False       # too long for the context: keep the prompt's last tokens instead of refusing
     grammar: GrammarSpec | None = None  # constrained decoding (response_format, forced tool calls)
-    prompt_embeds: PromptEmbeds | None = None
+    prompt_embeds: PromptEmbeds | None = None   # the lean engine's image features, from our vision tower
+    prompt_images: PromptImages | None = None   # the images themselves, for a backend with its own tower (vLLM)
     keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
     prompt_param: str = "prompt"        # the request field the prompt came from, named by errors about it
     # time.monotonic() when the request arrived (before its prompt was rendered: image fetches included); its

@@ -35,7 +35,7 @@ from PIL import Image
 from handler.engine.checkpoint import read_tensors, rename
 from handler.engine.model import read_config
 from handler.engine.support import UnsupportedModel, unsupported_features
-from handler.engine.types import PromptEmbeds
+from handler.engine.types import PromptEmbeds, PromptImages
 
 # the lean families a VLM's language model may be: those tested with image embeddings (test_vision.py). Not yet the
 # other lean families: granite, for one, would need its embedding_multiplier applied to the image features too
@@ -97,7 +97,8 @@ class MultimodalPrompt:
 
     prompt_ids: list[int]
     image_positions: list[int]
-    embeddings: torch.Tensor  # [len(image_positions), text_hidden], the text dtype
+    embeddings: torch.Tensor | None  # [len(image_positions), text_hidden], the text dtype (None: not encoded here)
+    images: PromptImages | None = None  # the images themselves, when a backend encodes them (``ImageProcessor``)
 
     @property
     def embeds(self) -> PromptEmbeds | None:
@@ -123,20 +124,30 @@ def architecture(config: dict) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def text_config(config: dict) -> dict:
-    """The language model's config as one flat dict for ``DecoderModel``: transformers' own config class fills
-    what the checkpoint leaves to defaults. ``tie_word_embeddings`` is the one the full model obeys (top level)."""
-    architecture(config)
+def language_config(config: dict) -> dict:
+    """A VLM's language-model config as one flat dict, for any VLM transformers knows: transformers' own config
+    class fills what the checkpoint leaves to defaults. ``tie_word_embeddings`` is the one the full model obeys
+    (top level)."""
     from transformers import CONFIG_MAPPING
 
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"model type {config.get('model_type')!r} is not one transformers knows")
     full = CONFIG_MAPPING[config["model_type"]].from_dict(config)  # as from_pretrained reads config.json
     text = full.get_text_config(decoder=True).to_dict()
+    text["tie_word_embeddings"] = bool(getattr(full, "tie_word_embeddings", False))
+    return text
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config for the lean ``DecoderModel``: a supported architecture's, of a supported
+    family; ValueError saying why for any other."""
+    architecture(config)
+    text = language_config(config)
     if text.get("model_type") not in TEXT_MODEL_TYPES:
         raise ValueError(
             f"{config['model_type']} with a {text.get('model_type')!r} language model is not supported; "
             f"the language model must be one of {', '.join(TEXT_MODEL_TYPES)}"
         )
-    text["tie_word_embeddings"] = bool(getattr(full, "tie_word_embeddings", False))
     return text
 
 
@@ -164,10 +175,55 @@ def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     return renamed
 
 
-class VisionEncoder:
-    """A VLM checkpoint's processor, vision tower and connector: chat messages and images in, the prompt's token ids
-    and its image-token embeddings out. ``encode`` keeps no state and only reads the modules, so threads may call
-    it at once (each call's tensors are its own; torch ops release the GIL)."""
+class ImageProcessor:
+    """A VLM checkpoint's processor alone: chat messages and images in, the prompt's token ids (image tokens
+    expanded) out, with the images themselves (``PromptImages``) for a backend that runs the vision tower itself
+    (vLLM, which knows more VLM families than ``ARCHITECTURES``). ``encode`` keeps no state, so threads may call it
+    at once."""
+
+    def __init__(self, processor, low_detail: dict | None = None) -> None:
+        self.processor = processor
+        self._low_detail = low_detail or {}
+
+    @classmethod
+    def load(cls, model_dir: Path) -> ImageProcessor:
+        from transformers import AutoProcessor
+
+        known = ARCHITECTURES.get(read_config(model_dir).get("model_type"))
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        return cls(processor, dict(known.low_detail) if known else None)
+
+    def encode(self, messages: list[dict], images: list[Image.Image], *, low_detail: bool = False) -> MultimodalPrompt:
+        """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
+        generation prompt and expand the image tokens. ValueError when the image parts, the image tokens (a text
+        part may spell one out) and the images do not agree.
+
+        ``low_detail`` (OpenAI's ``detail: "low"``) asks for the architecture's cheapest view: Idefics3 skips
+        image splitting (one view instead of up to 37 tiles); LLaVA has only one view anyway."""
+        text, options, inputs = self._process(messages, images, low_detail)
+        placeholders = self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        given = PromptImages(tuple(placeholders), tuple(images), tuple(options.items())) if images else None
+        return MultimodalPrompt(inputs["input_ids"][0].tolist(), [], None, given)
+
+    def _process(self, messages: list[dict], images: list[Image.Image], low_detail: bool):
+        """The rendered template, the processor options used and the processor's outputs."""
+        options = self._low_detail if low_detail else {}
+        num_parts = sum(_count_image_parts(message.get("content")) for message in messages)
+        if num_parts != len(images):
+            raise ValueError(f"the messages have {num_parts} image parts but {len(images)} images were given")
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:  # the template already holds the special tokens; the processor checks image tokens against images
+            inputs = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
+                                    **options)
+        except ValueError as error:  # e.g. a text part spelling out the image token itself
+            raise ValueError(f"the prompt does not match its images: {error}") from error
+        return text, options, inputs
+
+
+class VisionEncoder(ImageProcessor):
+    """The processor plus the checkpoint's vision tower and connector: the prompt's token ids and its image-token
+    embeddings out, for the lean language model. ``encode`` only reads the modules, so threads may call it at once
+    (each call's tensors are its own; torch ops release the GIL)."""
 
     def __init__(
         self,
@@ -180,8 +236,7 @@ class VisionEncoder:
         device: torch.device,
         low_detail: dict | None = None,
     ) -> None:
-        self.processor = processor
-        self._low_detail = low_detail or {}
+        super().__init__(processor, low_detail)
         self.model = model  # the HF base model, its language model removed
         self._image_token_id = image_token_id
         self.image_inputs = image_inputs
@@ -214,22 +269,8 @@ class VisionEncoder:
         return self._image_token_id
 
     def encode(self, messages: list[dict], images: list[Image.Image], *, low_detail: bool = False) -> MultimodalPrompt:
-        """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
-        generation prompt, expand the image tokens, and encode the images. ValueError when the image parts, the
-        image tokens (a text part may spell one out) and the images do not agree.
-
-        ``low_detail`` (OpenAI's ``detail: "low"``) asks for the architecture's cheapest view: Idefics3 skips
-        image splitting (one view instead of up to 37 tiles); LLaVA has only one view anyway."""
-        kwargs = self._low_detail if low_detail else {}
-        num_parts = sum(_count_image_parts(message.get("content")) for message in messages)
-        if num_parts != len(images):
-            raise ValueError(f"the messages have {num_parts} image parts but {len(images)} images were given")
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        try:  # the template already holds the special tokens; the processor checks image tokens against images
-            inputs = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
-                                    **kwargs)
-        except ValueError as error:  # e.g. a text part spelling out the image token itself
-            raise ValueError(f"the prompt does not match its images: {error}") from error
+        """As ``ImageProcessor.encode``, with the images encoded into the image tokens' embeddings instead."""
+        _text, _options, inputs = self._process(messages, images, low_detail)
         prompt_ids = inputs["input_ids"][0]
         positions = (prompt_ids == self._image_token_id).nonzero().flatten()
         embeddings = self._image_features(inputs) if images else torch.empty(0, self.hidden_size, dtype=self.dtype)

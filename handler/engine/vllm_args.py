@@ -89,6 +89,8 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         "disable_log_stats": True,
         "seed": 0,
     }
+    if "vision_config" in model_config:  # vLLM sizes its encoder cache and start-up profile by this
+        kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if tensor * pipeline > 1 and placement.device == "cpu":
         kwargs["distributed_executor_backend"] = "mp"   # worker processes on this machine
         if pipeline > 1 and settings.enforce_eager:
@@ -181,16 +183,32 @@ def fit_prompt(request: GenerationRequest, limits: EngineLimits) -> GenerationRe
     reserve = min(request.stop.max_new_tokens or 1, limit - 1)
     if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
         return request
+    if request.prompt_images is not None:
+        raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
+                         "images", param=request.prompt_param)
     return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
 
 
+def prompt_inputs(request: GenerationRequest) -> dict:
+    """vLLM's ``TokensPrompt`` for the request: its token ids, or with images the prompt as the model's processor
+    takes it (one placeholder per image, which vLLM expands as ``prompt_ids`` already is) and the decoded images."""
+    given = request.prompt_images
+    if given is None:
+        return {"prompt_token_ids": list(request.prompt_ids)}
+    inputs = {"prompt_token_ids": list(given.placeholder_ids), "multi_modal_data": {"image": list(given.images)}}
+    if given.processor_kwargs:
+        inputs["mm_processor_kwargs"] = dict(given.processor_kwargs)
+    return inputs
+
+
 def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: int) -> None:
-    """The lean engine's refusals at submit (``Engine.validate``), with the same messages, plus what this bridge
-    does not pass to vLLM (image embeddings)."""
+    """The lean engine's refusals at submit (``Engine.validate``), with the same messages; ``prompt_ids`` is the
+    prompt as the model sees it (image placeholders expanded), so a prompt too long with its images is refused here
+    as on the lean engine. Image embeddings computed by our own vision tower are not taken: vLLM runs the tower."""
     num_prompt = len(request.prompt_ids)
     if request.prompt_embeds is not None:
-        raise Unprocessable("images are not passed to the vLLM backend; serve vision-language models with "
-                            "option.rolling_batch=lean", param=request.prompt_param)
+        raise Unprocessable("image embeddings are not passed to the vLLM backend; it takes the images themselves",
+                            param=request.prompt_param)
     if num_prompt == 0:
         raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
     if num_prompt >= limits.max_model_len:

@@ -35,7 +35,7 @@ from handler.engine.types import (
     TokenEvent,
     TopLogprob,
 )
-from handler.engine.vllm_args import check_request, fit_prompt, grammar_source, sampling_kwargs
+from handler.engine.vllm_args import check_request, fit_prompt, grammar_source, prompt_inputs, sampling_kwargs
 from handler.errors import BadRequest, NotReady
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class VllmBackend:
         if "structured_outputs" in kwargs:
             kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-        outputs = self._engine.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
+        outputs = self._engine.generate(TokensPrompt(**prompt_inputs(request)), params,
                                         f"{request.request_id}-{index}-{next(self._ids)}")
         sequence = None
         try:

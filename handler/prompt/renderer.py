@@ -10,10 +10,12 @@ from handler.prompt import tool_calls
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
-    """A chat prompt as the engine takes it: token ids, and for vision models the image embeddings."""
+    """A chat prompt as the engine takes it: token ids, and for vision models the image embeddings (the lean
+    engine) or the images themselves (a backend with its own vision tower)."""
 
     prompt_ids: tuple[int, ...]
     embeds: object | None = None    # handler.engine.types.PromptEmbeds
+    images: object | None = None    # handler.engine.types.PromptImages
 
 
 def _byte_decoder() -> dict[str, int]:

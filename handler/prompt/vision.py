@@ -1,5 +1,7 @@
 """Chat prompts for vision-language models: image references -> RGB images -> the model's processor and vision
-tower -> token ids plus the image embeddings the engine puts at the image tokens' positions.
+tower -> token ids plus the image embeddings the engine puts at the image tokens' positions (the lean engine); or
+-> the model's processor -> token ids plus the images themselves, which a backend with its own vision tower (vLLM)
+encodes.
 
 Images are fetched (SSRF rules in ``handler.images.fetch``; a request's URLs at once, within its fetch budget and
 the worker's fetch cap, ``handler.images.loader``), decoded (total pixels and the worker's image memory checked
@@ -41,7 +43,8 @@ def image_loader(settings: Settings) -> ImageLoader:
 
 class VisionRenderer(PromptRenderer):
     """A ``PromptRenderer`` for a vision-language model: prompts go through the model's processor (its chat
-    template and image-token expansion), with or without images."""
+    template and image-token expansion), with or without images. ``encoder`` is ``engine.vision.VisionEncoder``
+    (images become embeddings here) or ``ImageProcessor`` (the decoded images go on to the backend)."""
 
     def __init__(self, tokenizer, tool_format: str, encoder, images: ImageLoader, max_images: int) -> None:
         super().__init__(tokenizer, tool_format)
@@ -60,7 +63,8 @@ class VisionRenderer(PromptRenderer):
             raise BadRequest(f"the request has {len(images)} images; at most {self._max_images} are allowed "
                              "(option.max_images_per_request)", param=images[self._max_images].param)
         messages = [_as_parts(m) for m in self.with_tools(messages, tools or [])]
-        # the decoded images live (and hold their share of option.image_memory_budget) until encoded
+        # the decoded images hold their share of option.image_memory_budget until encoded here (or, for vLLM, until
+        # its processor takes the copies the request carries on)
         with self._images.load(images, started_at=arrived_at) as pictures:
             try:
                 # detail "low" applies when every image asks for it: the processor takes one setting per call
@@ -68,7 +72,7 @@ class VisionRenderer(PromptRenderer):
             except ValueError as error:
                 raise BadRequest(f"the images could not be encoded for this model: {error}",
                                  param="messages") from None
-        return RenderedPrompt(tuple(encoded.prompt_ids), encoded.embeds)
+        return RenderedPrompt(tuple(encoded.prompt_ids), encoded.embeds, encoded.images)
 
 
 def _as_parts(message: dict) -> dict:

@@ -158,6 +158,7 @@ class ChatCompletionRequest(BaseModel):
             request_id=new_request_id("chatcmpl"),
             prompt_ids=prompt.prompt_ids,
             prompt_embeds=prompt.embeds,
+            prompt_images=prompt.images,
             sampling=self.sampling_params(default_temperature),
             stop=StopConditions(max_new_tokens=self.max_completion_tokens or self.max_tokens,
                                 stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos),

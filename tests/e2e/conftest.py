@@ -74,12 +74,12 @@ def start_server(tmp_path: Path, env: dict[str, str] | None = None) -> RunningSe
     return server
 
 
-def start_tiny_vlm(tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
+def start_tiny_vlm(tmp_path: Path, env: dict[str, str] | None = None, head_dim: int = 16) -> RunningServer:
     """The server on the tiny Idefics3 of ``tests.vision_fixture`` (built in ``tmp_path``), fetching images from
     loopback only (127.0.0.1 allow-listed)."""
     from tests.vision_fixture import build_tiny_vlm  # torch: only the tests that serve a VLM pay for it
 
-    model_dir = build_tiny_vlm(tmp_path / "tiny-idefics3")
+    model_dir = build_tiny_vlm(tmp_path / "tiny-idefics3", head_dim=head_dim)
     return start_server(tmp_path, env={"OPTION_MODEL_ID": str(model_dir), "OPTION_MAX_MODEL_LEN": "2048",
                                        "OPTION_IMAGE_FETCH_ALLOWED_HOSTS": "127.0.0.1", **(env or {})})
 

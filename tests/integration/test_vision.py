@@ -14,6 +14,7 @@ from PIL import Image
 from handler.engine.model import DecoderModel, build_layout, load_state_dict, read_config
 from handler.engine.vision import (
     SUPPORTED_VISION_TYPES,
+    ImageProcessor,
     MultimodalPrompt,
     VisionEncoder,
     is_vision_model,
@@ -196,3 +197,24 @@ def test_concurrent_encodes_match_sequential(encoder):
 def test_prompt_and_images_must_agree(encoder, messages, num_images):
     with pytest.raises(ValueError):
         encoder.encode(messages, [image(64, 64)] * num_images)
+
+
+@pytest.mark.parametrize("low_detail", [False, True])
+def test_the_processor_alone_expands_as_the_encoder_and_hands_on_the_images(vlm_dir: Path, encoder: VisionEncoder,
+                                                                           low_detail: bool) -> None:
+    """What the vLLM backend gets: the prompt_ids the lean path runs (image tokens expanded), the template's
+    prompt with one image token per image for vLLM's processor to expand, and the decoded images themselves."""
+    pictures = [image(96, 64, seed=1), image(40, 40, seed=2)]
+    messages = user(QUESTION, IMAGE, IMAGE)
+    processor = ImageProcessor.load(vlm_dir)
+    alone = processor.encode(messages, pictures, low_detail=low_detail)
+    encoded = encoder.encode(messages, pictures, low_detail=low_detail)
+    assert alone.prompt_ids == encoded.prompt_ids
+    assert alone.embeds is None
+    given = alone.images
+    assert given.images == tuple(pictures)
+    assert given.placeholder_ids.count(encoder.image_token_id) == 2
+    assert len(given.placeholder_ids) + 2 * 15 <= len(alone.prompt_ids)  # each image: 16 tokens at least
+    splitting = read_config(vlm_dir)["model_type"] == "idefics3" and low_detail
+    assert dict(given.processor_kwargs) == ({"do_image_splitting": False} if splitting else {})
+    assert processor.encode(user(QUESTION), []).images is None

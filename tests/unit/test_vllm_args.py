@@ -5,6 +5,7 @@ That vLLM accepts these names and honours them is proven against vLLM itself by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from handler.config import Settings, load_settings
 from handler.engine.backend import EngineLimits
 from handler.engine.json_rules import INTEGER_LIMIT, JSON_LAYOUT
-from handler.engine.types import GenerationRequest, GrammarSpec, SamplingParams, StopConditions
+from handler.engine.types import GenerationRequest, GrammarSpec, PromptImages, SamplingParams, StopConditions
 from handler.engine.vllm_args import (
     CPU_MEMORY_FRACTION,
     Placement,
@@ -23,6 +24,7 @@ from handler.engine.vllm_args import (
     engine_kwargs,
     fit_prompt,
     grammar_source,
+    prompt_inputs,
     sampling_kwargs,
 )
 from handler.errors import BadRequest, ConfigError, Unprocessable
@@ -211,6 +213,36 @@ def test_a_json_schema_becomes_one_lark_grammar_with_the_servers_rules_and_layou
 def test_a_lark_grammar_passes_through() -> None:
     spec = GrammarSpec("lark", 'start: "<tool_call>" %json {"type": "object"}', "tool_choice")
     assert grammar_source(spec) == spec.source
+
+
+def test_a_vision_model_gets_vllm_its_image_limit() -> None:
+    vlm = {**SMOLLM2_135M, "vision_config": {}}
+    assert engine_kwargs(settings(max_images_per_request=3), CPU, 2048, vlm)["limit_mm_per_prompt"] == {"image": 3}
+    assert "limit_mm_per_prompt" not in engine_kwargs(settings(), CPU, 2048, SMOLLM2_135M)
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------------
+
+IMAGES = PromptImages(placeholder_ids=(7, 49152, 8), images=("picture",), processor_kwargs=(("do_image_splitting",
+                                                                                              False),))
+
+
+def test_images_go_to_vllm_with_the_unexpanded_prompt_and_the_processor_options() -> None:
+    assert prompt_inputs(GenerationRequest("r", prompt_ids=(1, 2, 3))) == {"prompt_token_ids": [1, 2, 3]}
+    expanded = GenerationRequest("r", prompt_ids=(7,) + (49152,) * 17 + (8,), prompt_images=IMAGES)
+    assert prompt_inputs(expanded) == {"prompt_token_ids": [7, 49152, 8], "multi_modal_data": {"image": ["picture"]},
+                                       "mm_processor_kwargs": {"do_image_splitting": False}}
+    plain = dataclasses.replace(IMAGES, processor_kwargs=())
+    assert "mm_processor_kwargs" not in prompt_inputs(dataclasses.replace(expanded, prompt_images=plain))
+
+
+def test_a_prompt_with_images_is_checked_at_its_expanded_length_and_never_truncated() -> None:
+    expanded = GenerationRequest("r", prompt_ids=(5,) * 70, prompt_images=IMAGES, prompt_param="messages")
+    with pytest.raises(BadRequest, match="64 tokens"):
+        check_request(expanded, LIMITS, vocab_size=100_000)
+    with pytest.raises(BadRequest, match="cannot be truncated") as info:
+        fit_prompt(dataclasses.replace(expanded, truncate_prompt=True), LIMITS)
+    assert info.value.param == "messages"
 
 
 # ---- refusals at submit -------------------------------------------------------------------------------------------
