@@ -47,7 +47,8 @@ class Layer:
     them, rotated where the layer uses RoPE) and v: picked at load, so a family pays only for what it has. ``mlp``
     is the feed-forward sublayer: a gated MLP, or an MoE layer's router and experts (``moe``). The gemma families
     have all four norms (``post_norm`` before the MLP, the two ``*_out_norm`` on the sublayers' outputs);
-    ``sliding``: the layer attends within the model's sliding window."""
+    ``sliding``: the layer attends within the model's sliding window. ``sinks``: gpt_oss's attention sinks, one
+    logit per query head ``[kv_heads, groups, 1]`` (``_attend``)."""
 
     input_norm: torch.Tensor | None
     qkv: DenseLinear | Int8DynamicLinear
@@ -58,6 +59,7 @@ class Layer:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     sliding: bool = False
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +233,7 @@ class DecoderModel:
             else:  # qwen3, gemma3_text: over each head, one weight per head dim
                 weight = torch.cat([q_norm.expand(s.num_heads, -1), k_norm.expand(s.num_kv_heads, -1)])
                 split = partial(_split_head_norm_rotate, **heads, qk_norm=weight, eps=s.rms_norm_eps)
+        sinks = state.get(f"{p}self_attn.sinks")
         return Layer(
             **self._layer_norms(state, p),
             qkv=make(torch.cat(attn), qkv_bias),
@@ -238,6 +241,7 @@ class DecoderModel:
             mlp=self._feed_forward(state, p, make, config, use_moe, residual),
             split=split,
             sliding=sliding,
+            sinks=None if sinks is None else sinks.to(self.device, self.dtype).view(s.num_kv_heads, -1, 1),
         )
 
     def _feed_forward(self, state: dict[str, torch.Tensor], p: str, make, config: dict, use_moe: bool,
@@ -329,10 +333,12 @@ class DecoderModel:
 
     def _pre_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
                          cache: KVCache | KVSpace) -> torch.Tensor:
+        """The llama block; gpt_oss's layers add sinks to attention and alternate sliding and full attention."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-            x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache))
+            x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache,
+                                              sliding=layer.sliding, sinks=layer.sinks))
             x = x + layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
         return x
 
@@ -362,7 +368,8 @@ class DecoderModel:
         return x
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
-                   cache: KVCache | KVSpace, sliding: bool = False) -> torch.Tensor:
+                   cache: KVCache | KVSpace, sliding: bool = False,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         s = self.shape
         rows = q.shape[0]
         out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
@@ -372,31 +379,34 @@ class DecoderModel:
         for (group, count), mask in zip(layout.decode_groups, decode_masks, strict=True):
             rows = slice(row, row + count)
             cache.write_decode(layer, group, k[rows], v[rows], layout.decode_positions[rows])
-            out[rows] = self._decode_attention(q[rows], layer, group, mask, cache)
+            out[rows] = self._decode_attention(q[rows], layer, group, mask, cache, sinks)
             row += count
         for (slot, start, length), mask in zip(layout.prefill_blocks, prefill_masks, strict=True):
             block = slice(row, row + length)
             cache.write_prefill(layer, slot, start, k[block], v[block])
-            out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache)
+            out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache, sinks)
             row += length
         return out
 
     def _decode_attention(self, q: torch.Tensor, layer: int, group: object, mask: torch.Tensor,
-                          cache: KVCache | KVSpace) -> torch.Tensor:
+                          cache: KVCache | KVSpace, sinks: torch.Tensor | None) -> torch.Tensor:
         n, s = q.shape[0], self.shape
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
         # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask, self.attn_softcap)
+        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask, self.attn_softcap, sinks)
         return out.reshape(n, s.num_heads * s.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,
-                           cache: KVCache | KVSpace) -> torch.Tensor:
+                           cache: KVCache | KVSpace, sinks: torch.Tensor | None) -> torch.Tensor:
         t, s = q.shape[0], self.shape
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.prefill_view(layer, slot, length)  # [1, kv_heads, length, head_dim]
         q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
-        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.attn_softcap)
+        if sinks is not None:  # one per query row: [kv_heads, groups * t, 1], (group, t) order
+            sinks = sinks.expand(-1, -1, t).reshape(s.num_kv_heads, groups * t, 1)
+        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.attn_softcap,
+                      sinks)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
 
 
@@ -430,23 +440,29 @@ def attention_tokens(config: dict, s: ModelShape) -> int:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T + mask) v`` (q already carries 1/sqrt(head_dim)); ``mask`` is 0 where a query may attend,
     -inf elsewhere. With ``softcap`` (gemma2) the scores are ``tanh(q k^T) * softcap`` before the mask, q carrying
     ``1 / softcap`` too: torch's tanh computes every element alike wherever it falls in a vector (measured: the
-    same bits alone, at any offset or in any batch), so capped rows stay independent of their neighbours.
+    same bits alone, at any offset or in any batch), so capped rows stay independent of their neighbours. With
+    ``sinks`` (gpt_oss; one logit per query row, broadcast against ``scores[..., :1]``) each row's softmax runs
+    over its scores and its sink, whose probability is dropped: the sink takes a share of the weight, no value.
 
     On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
     by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
     threads: 1 row against 3 differed by 6e-8, which int8 turned into a different logprob 12 tokens later). Here
     no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
     value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
-    if q.device.type != "cpu" and softcap is None:
+    if q.device.type != "cpu" and softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=1.0)
     scores = torch.matmul(q, keys.transpose(-1, -2))
     if softcap is not None:
         scores = torch.tanh(scores).mul_(softcap)
-    return torch.matmul(torch.softmax(scores.add_(mask), dim=-1), values)
+    scores = scores.add_(mask)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    scores = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1)[..., :-1], values)
 
 
 @torch.jit.script

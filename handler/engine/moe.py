@@ -1,5 +1,5 @@
 """Feed-forward sublayers: the SiLU-gated MLP, and the sparse mixture of experts built of them (qwen3_moe,
-qwen2_moe, mixtral).
+qwen2_moe, mixtral) or of gpt_oss's clamped SwiGLU experts.
 
 An MoE layer runs its experts batched over the step's rows: the router scores every row at once, and each expert
 that received rows runs once, on exactly those rows (gathered, one ``gate_up`` and one ``down``, scattered back
@@ -15,6 +15,8 @@ Routing follows each family's transformers code to the dtype:
   ``sigmoid(shared_gate(x))`` and added after the routed experts'.
 - mixtral: softmax in fp32, top-k, always renormalised; the weights stay fp32 while they scale the expert outputs
   (in bf16 the product is fp32 and rounds once, on the way into the sum).
+- gpt_oss: router logits with a bias, top-k of the logits, softmax over the k chosen in the logits' dtype.
+  Its experts (``ClampedSwiGLU``) have biases on both projections.
 
 All sum the expert outputs in increasing expert order, as transformers does.
 
@@ -58,21 +60,47 @@ class GatedMLP:
 
 
 @dataclass(slots=True)
+class ClampedSwiGLU:
+    """gpt_oss's expert: ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with
+    ``g = min(gate, limit)``. gate_up is fused gate rows first like ``GatedMLP``'s (the checkpoint interleaves gate
+    and up columns: split at load, ``load_moe``). The clamp and the ``+ 1`` make it not linear in up, so int8 cannot
+    smooth down through up (``quantize``)."""
+
+    gate_up: DenseLinear | Int8DynamicLinear
+    down: DenseLinear | Int8DynamicLinear
+    alpha: float
+    limit: float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down((up.clamp(-self.limit, self.limit) + 1) * glu)
+
+
+@dataclass(slots=True)
 class SparseMoE:
     """A router over ``experts``, each row sent to its ``top_k`` best (see the module docstring for the families'
     routing). ``router`` is ``[num_experts, hidden]`` in the model dtype, kept dense when the experts go int8: its
     logits decide which experts run, and a quantised router would change that decision, not just round a value."""
 
     router: torch.Tensor
-    experts: list[GatedMLP]
+    experts: list[GatedMLP] | list[ClampedSwiGLU]
     top_k: int
     renormalize: bool
     fp32_weights: bool
     shared: GatedMLP | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden], with ``shared``
+    router_bias: torch.Tensor | None = None  # [num_experts] (gpt_oss)
+    softmax_top_k: bool = False  # gpt_oss: the softmax over the k chosen logits only
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = _row_exact_logits(h, self.router)  # [rows, experts]
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        if self.softmax_top_k:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return self._run_experts(h, chosen.flatten(), torch.softmax(top, dim=-1).flatten())
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [rows, top_k]
         if self.renormalize:
@@ -123,6 +151,8 @@ def load_moe(state: dict[str, torch.Tensor], prefix: str, config: dict,
     """One layer's router and experts from the checkpoint (``prefix``: ``model.layers.{i}.``; the names per family
     in ``support.MOE_TENSORS``); ``config`` has its family's defaults filled in."""
     family = config["model_type"]
+    if family == "gpt_oss":
+        return _load_gpt_oss(state, prefix, config, make, router_to)
     router, names = MOE_TENSORS[family]
     experts = [_gated(state, prefix, [name.format(e=e) for name in names], make) for e in range(num_experts(config))]
     moe = SparseMoE(router=router_to(state[prefix + router]), experts=experts, top_k=config["num_experts_per_tok"],
@@ -139,3 +169,21 @@ def _gated(state: dict[str, torch.Tensor], prefix: str, names: list[str] | tuple
     """A gated MLP from its gate, up and down weights' names."""
     gate, up, down = (state[prefix + name] for name in names)
     return GatedMLP(make(torch.cat([gate, up]), None), make(down, None))
+
+
+def _load_gpt_oss(state: dict[str, torch.Tensor], prefix: str, config: dict,
+                  make: Callable[[torch.Tensor, torch.Tensor | None], DenseLinear | Int8DynamicLinear],
+                  router_to: Callable[[torch.Tensor], torch.Tensor]) -> SparseMoE:
+    """gpt_oss stores its experts stacked and transposed (``gate_up_proj`` ``[experts, hidden, 2 * inter]``, gate
+    and up in alternate columns; ``down_proj`` ``[experts, inter, hidden]``), each with a bias: cut into one
+    ``ClampedSwiGLU`` per expert, gate rows first."""
+    router, names = MOE_TENSORS["gpt_oss"]
+    router_bias, gate_up, gate_up_bias, down, down_bias = (state[prefix + name] for name in names)
+    experts = []
+    for e in range(num_experts(config)):
+        weight, bias = gate_up[e].t(), gate_up_bias[e]
+        gate_first = make(torch.cat([weight[0::2], weight[1::2]]), torch.cat([bias[0::2], bias[1::2]]))
+        experts.append(ClampedSwiGLU(gate_first, make(down[e].t().contiguous(), down_bias[e]),
+                                     alpha=config["swiglu_alpha"], limit=config["swiglu_limit"]))
+    return SparseMoE(router=router_to(state[prefix + router]), experts=experts, top_k=config["num_experts_per_tok"],
+                     renormalize=False, fp32_weights=False, router_bias=router_to(router_bias), softmax_top_k=True)

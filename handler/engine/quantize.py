@@ -14,15 +14,17 @@ gate/up; the two norms on the sublayers' outputs act after out and down, which s
 gated MLP's ``act(gate) * up`` is linear in up whatever the activation (GELU-tanh there), so down is smoothed through
 up as for SiLU.
 
-An MoE layer (qwen3_moe, qwen2_moe, mixtral) goes int8 too, expert by expert: the post-attention norm feeds the
-router and every expert, so one factor per channel serves them all (from the largest weight of any expert's gate/up
-in that channel), folded into the norm, every expert's gate/up (the shared expert's too) and the router (and the
-shared expert's gate); each expert's down projection is smoothed from the rows routed to it during calibration (an
-expert no calibration row reached is quantised unsmoothed). The router and the shared expert's gate stay in full
-precision: they are small, and the router's logits choose which experts run, so rounding them would change a row's
-experts, not just a value; both compute each row on its own (``moe``), so int8 outputs stay independent of the rows
-beside them. Why int8 rather than dense experts: the experts are nearly all of an MoE's
-weights, and a dense fp32 GEMM's rows change with the batch (``moe``'s docstring), which int8 layers do not.
+An MoE layer (qwen3_moe, qwen2_moe, mixtral, gpt_oss) goes int8 too, expert by expert: the post-attention norm feeds
+the router and every expert, so one factor per channel serves them all (from the largest weight of any expert's
+gate/up in that channel), folded into the norm, every expert's gate/up (the shared expert's too) and the router (and
+the shared expert's gate); each expert's down projection is smoothed from the rows routed to it during calibration
+(an expert no calibration row reached is quantised unsmoothed, as is every down projection of gpt_oss's clamped
+SwiGLU experts, which are not linear in up; their biases are kept as they are, input smoothing leaving them exact).
+The router and the shared expert's gate stay in full precision: they are small, and the router's logits choose which
+experts run, so rounding them would change a row's experts, not just a value; both compute each row on its own
+(``moe``), so int8 outputs stay independent of the rows beside them. Why int8 rather than dense experts: the experts
+are nearly all of an MoE's weights, and a dense fp32 GEMM's rows change with the batch (``moe``'s docstring), which
+int8 layers do not.
 
 ``max|x_j|`` comes from one dense forward over ``CALIBRATION_TEXT`` at load (about 0.1 s for the embedded model).
 """
@@ -30,12 +32,13 @@ weights, and a dense fp32 GEMM's rows change with the batch (``moe``'s docstring
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from handler.engine.linear import Int8DynamicLinear
-from handler.engine.moe import GatedMLP, SparseMoE
+from handler.engine.moe import ClampedSwiGLU, GatedMLP, SparseMoE
 
 if TYPE_CHECKING:
     from handler.engine.model import DecoderModel, Layer
@@ -73,7 +76,8 @@ def _recorded(layer: Layer) -> list[tuple[str, object, str]]:
     sites: list[tuple[str, object, str]] = [("qkv", layer, "qkv"), ("out", layer, "out")]
     if isinstance(layer.mlp, SparseMoE):
         sites.append(("moe", layer, "mlp"))
-        sites += [(f"experts.{e}.down", expert, "down") for e, expert in enumerate(layer.mlp.experts)]
+        sites += [(f"experts.{e}.down", expert, "down") for e, expert in enumerate(layer.mlp.experts)
+                  if isinstance(expert, GatedMLP)]  # (only these smooth down through up)
         if layer.mlp.shared is not None:
             sites.append(("shared.down", layer.mlp.shared, "down"))
     else:
@@ -180,16 +184,18 @@ def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
         moe.shared = quantized[-1]
 
 
-def _quantize_expert(expert: GatedMLP, s: torch.Tensor | None, down_act: torch.Tensor | None) -> GatedMLP:
+def _quantize_expert(expert: GatedMLP | ClampedSwiGLU, s: torch.Tensor | None,
+                     down_act: torch.Tensor | None) -> GatedMLP | ClampedSwiGLU:
     """An expert whose input is smoothed by ``s`` (None: unsmoothed), its down projection smoothed from the
-    inputs it saw (None: no calibration row reached it)."""
+    inputs it saw (None: no calibration row reached it, or a gpt_oss expert)."""
     gate_up = expert.gate_up.weight.clone() if s is None else expert.gate_up.weight * s
     down = expert.down.weight
     if down_act is not None:
         down_s = smoothing_factors(down_act, down)
         gate_up[down.shape[1]:] /= down_s[:, None]
         down = down * down_s
-    return GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None), expert.activation)
+    return replace(expert, gate_up=Int8DynamicLinear(gate_up, expert.gate_up.bias),
+                   down=Int8DynamicLinear(down, expert.down.bias))
 
 
 def _scaled_bias(bias: torch.Tensor | None, v_start: int, v_s: torch.Tensor) -> torch.Tensor | None:

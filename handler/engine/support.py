@@ -34,6 +34,13 @@ layer attending to every earlier position. The families it runs are that block w
   ``sliding_window_pattern``-th) and RoPE per layer type (``rope_parameters`` keyed by ``sliding_attention`` /
   ``full_attention``; older configs: ``rope_local_base_freq`` for local layers, ``rope_theta`` and
   ``rope_scaling`` for global ones).
+- gpt_oss: the llama block with attention sinks (``self_attn.sinks``: a learned logit per query head that joins
+  each softmax's denominator and weighs no value), gemma2's sliding layers (``layer_types``, by default every
+  other one from the first) and RoPE as its config names it (yarn, ``truncate`` included, by default); every
+  layer's MLP a sparse mixture of ``num_local_experts`` experts: router logits with a bias, top
+  ``num_experts_per_tok`` logits softmaxed, experts stored stacked (gate and up columns interleaved) with biases,
+  each a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
+  ``g = min(gate, limit)``). ``hidden_act`` is not read (as in transformers).
 
 A checkpoint that needs anything else would run and answer wrongly, so it is refused instead, with the reason: the
 model type, a config feature, or a tensor the lean model would not read (or lacks).
@@ -49,10 +56,12 @@ from handler.engine.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "phi3", "qwen3_moe",
-                    "qwen2_moe", "mixtral", "gemma2", "gemma3_text")
+                    "qwen2_moe", "mixtral", "gemma2", "gemma3_text", "gpt_oss")
 # families whose RMSNorm is x * (1 + w), embeddings scaled by sqrt(hidden), with four norms per layer and
 # sliding-window layers (``sliding_layers``)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# families whose sliding-window layers (``sliding_layers``) the lean model implements
+SLIDING_TYPES = GEMMA_TYPES + ("gpt_oss",)
 _GEMMA_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 # rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
 # nothing up to max_position_embeddings, which bounds our context)
@@ -77,6 +86,7 @@ _FAMILY_LAYER_TENSORS = {
              "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
     "gemma2": _LAYER_TENSORS + _GEMMA_NORMS,
     "gemma3_text": _LAYER_TENSORS + _GEMMA_NORMS + _QK_NORMS,
+    "gpt_oss": _LAYER_TENSORS + ("self_attn.sinks",),
 }
 _NO_OPTIONAL_TENSORS = ("phi3",)  # its projections have no biases
 # per MoE family, under the layer's prefix: the router, and one expert's gate, up and down ("{e}" its index)
@@ -88,6 +98,9 @@ MOE_TENSORS = {
     "mixtral": ("block_sparse_moe.gate.weight", ("block_sparse_moe.experts.{e}.w1.weight",
                                                  "block_sparse_moe.experts.{e}.w3.weight",
                                                  "block_sparse_moe.experts.{e}.w2.weight")),
+    # one tensor per weight for all experts (no "{e}"), after the router's bias
+    "gpt_oss": ("mlp.router.weight", ("mlp.router.bias", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                                      "mlp.experts.down_proj", "mlp.experts.down_proj_bias")),
 }
 # per family with a shared expert: its gate, up and down, and the gate of its output (``[1, hidden]``)
 SHARED_EXPERT_TENSORS = {
@@ -115,10 +128,15 @@ _FAMILY_DEFAULTS = {
                "attn_logit_softcapping": 50.0},
     "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096},
+    # (its RoPE only for a config that names none, ``with_family_defaults``)
+    "gpt_oss": {"head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 128,
+                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_theta": 150000.0,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}},
 }
 _GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 _GEMMA3_THETA = {"full_attention": 1000000.0, "sliding_attention": 10000.0}
-_DEFAULT_NUM_EXPERTS = {"qwen3_moe": 128, "qwen2_moe": 60, "mixtral": 8}
+_DEFAULT_NUM_EXPERTS = {"qwen3_moe": 128, "qwen2_moe": 60, "mixtral": 8, "gpt_oss": 128}
 
 
 class UnsupportedModel(ValueError):
@@ -144,11 +162,17 @@ def original_max_positions(config: dict) -> int:
 
 
 def with_family_defaults(config: dict) -> dict:
-    """The config with its family's defaults filled in where it leaves them out (``_FAMILY_DEFAULTS``)."""
+    """The config with its family's defaults filled in where it leaves them out (``_FAMILY_DEFAULTS``). A default
+    RoPE (gpt_oss's yarn) applies only where the config names none under either name, and takes its theta along."""
     defaults = dict(_FAMILY_DEFAULTS.get(config.get("model_type"), {}))
     if "rope_theta" in rope_parameters(config):  # transformers 5 keeps it there
         defaults.pop("rope_theta", None)
-    return {**defaults, **config}
+    rope = defaults.pop("rope_parameters", None)
+    merged = {**defaults, **config}
+    if rope is not None and not rope_parameters(config):
+        merged.pop("rope_scaling", None)
+        merged["rope_parameters"] = {**rope, "rope_theta": merged.pop("rope_theta")}
+    return merged
 
 
 def rope_layers(config: dict) -> list[bool]:
@@ -165,17 +189,17 @@ def rope_layers(config: dict) -> list[bool]:
 
 
 def sliding_layers(config: dict) -> list[bool]:
-    """Per layer, whether it attends within ``sliding_window`` (gemma2, gemma3_text): ``layer_types`` where the
-    config has it, else transformers' config rule (gemma2: every other layer from the first; gemma3_text: all but
-    every ``sliding_window_pattern``-th). False for every layer of the other families (they are refused when a
-    window would bind)."""
+    """Per layer, whether it attends within ``sliding_window`` (gemma2, gemma3_text, gpt_oss): ``layer_types``
+    where the config has it, else transformers' config rule (gemma2, gpt_oss: every other layer from the first;
+    gemma3_text: all but every ``sliding_window_pattern``-th). False for every layer of the other families (they are
+    refused when a window would bind)."""
     layers = config.get("num_hidden_layers", 0)
     family = config.get("model_type")
-    if family not in GEMMA_TYPES:
+    if family not in SLIDING_TYPES:
         return [False] * layers
     if (layer_types := config.get("layer_types")) is not None:
         return [kind == "sliding_attention" for kind in layer_types]
-    pattern = 2 if family == "gemma2" else config.get("sliding_window_pattern", 6)
+    pattern = config.get("sliding_window_pattern", 6) if family == "gemma3_text" else 2
     return [(i + 1) % pattern != 0 for i in range(layers)]
 
 
@@ -212,11 +236,11 @@ def num_experts(config: dict) -> int:
 
 
 def moe_layers(config: dict) -> list[bool]:
-    """Per layer, whether its MLP is the mixture of experts: every layer of mixtral; qwen3_moe's and qwen2_moe's
-    every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (their decoder layers' rule)."""
+    """Per layer, whether its MLP is the mixture of experts: every layer of mixtral and gpt_oss; qwen3_moe's and
+    qwen2_moe's every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (their decoder layers' rule)."""
     config = with_family_defaults(config)
     layers = config.get("num_hidden_layers", 0)
-    if config.get("model_type") == "mixtral":
+    if config.get("model_type") in ("mixtral", "gpt_oss"):
         return [True] * layers
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe") or num_experts(config) == 0:
         return [False] * layers
@@ -250,7 +274,7 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
         reasons.append(f"pre-quantised weights (quantization_config {method})")
     if model_type in GEMMA_TYPES:
         reasons += _gemma_problems(config)
-    elif (act := config.get("hidden_act", "silu")) != "silu":
+    elif model_type != "gpt_oss" and (act := config.get("hidden_act", "silu")) != "silu":
         reasons.append(f"hidden_act {act!r} (only silu)")
     for rope_config in {id(c): c for c in layer_rope_configs(config).values()}.values():
         reasons += _rope_problems(rope_config, max_model_len)
@@ -260,7 +284,9 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
     if model_type == "smollm3" and len(rope_layers(config)) != config.get("num_hidden_layers", 0):
         reasons.append(f"no_rope_layers of {len(config['no_rope_layers'])} entries for "
                        f"{config.get('num_hidden_layers', 0)} layers")
-    if model_type not in GEMMA_TYPES and (window := sliding_window(config)) is not None and window < max_model_len:
+    if model_type in SLIDING_TYPES:
+        reasons += _layer_type_problems(config)
+    elif (window := sliding_window(config)) is not None and window < max_model_len:
         reasons.append(f"sliding_window {window} (exact only up to that many positions: set "
                        f"option.max_model_len to at most {window}, now {max_model_len})")
     return reasons
@@ -287,6 +313,13 @@ def _gemma_problems(config: dict) -> list[str]:
         reasons.append(f"hidden_activation {act!r} (only {_GEMMA_ACTIVATION})")
     if config.get("use_bidirectional_attention"):
         reasons.append("use_bidirectional_attention")
+    return reasons
+
+
+def _layer_type_problems(config: dict) -> list[str]:
+    """The families with sliding layers: ``layer_types`` must name each layer's kind, and a sliding layer needs a
+    window."""
+    reasons = []
     layers, layer_types = config.get("num_hidden_layers", 0), config.get("layer_types")
     if layer_types is not None and (len(layer_types) != layers
                                     or set(layer_types) - {"sliding_attention", "full_attention"}):
@@ -351,7 +384,7 @@ def _layer_tensors(config: dict, moe: bool) -> tuple[str, ...]:
     if not moe:
         return names
     router, expert = MOE_TENSORS[family]
-    experts = tuple(n.format(e=e) for e in range(num_experts(config)) for n in expert)
+    experts = tuple(dict.fromkeys(n.format(e=e) for e in range(num_experts(config)) for n in expert))
     shared = SHARED_EXPERT_TENSORS.get(family, ())
     return tuple(n for n in names if n not in _MLP_TENSORS) + (router,) + experts + shared
 

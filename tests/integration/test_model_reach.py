@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from handler.engine.linear import Int8DynamicLinear
 from handler.engine.model import DecoderModel, build_layout
@@ -37,6 +38,11 @@ QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size"
 # than 2e-3, twenty times the tolerance)
 GEMMA2 = {"head_dim": 16, "sliding_window": 48, "attn_logit_softcapping": 0.02, "final_logit_softcapping": 1.0}
 GEMMA3 = {"head_dim": 16, "sliding_window": 48, "layer_types": ["sliding_attention", "full_attention"]}
+# layer 0 sliding, layer 1 full (the config's default), RoPE its default yarn (factor 32, truncate false); a clamp
+# low enough to bind on the random checkpoint's gate and up values (its default, 7, never would; measured: without
+# the clamp on up alone the logits move by 3e-3, thirty times the tolerance)
+GPT_OSS = {"head_dim": 16, "sliding_window": 48, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 32, "swiglu_limit": 0.3}
 
 CONFIGS = {
     "llama": ("llama", {}),
@@ -72,16 +78,39 @@ CONFIGS = {
         **GEMMA3, "layer_types": ["full_attention", "sliding_attention"], "final_logit_softcapping": 1.0,
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}}),
+    "gpt_oss": ("gpt_oss", GPT_OSS),  # with q/k/v/o biases
+    "gpt_oss-full-first-yarn-truncate-no-bias": ("gpt_oss", {
+        **GPT_OSS, "layer_types": ["full_attention", "sliding_attention"], "attention_bias": False,
+        "num_experts_per_tok": 3, "swiglu_alpha": 1.2,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                            "truncate": True, "rope_theta": 10000.0}}),
 }
 # the families added to the llama block: each also through the Engine (loader, path choice, runner)
 ENGINE_FAMILIES = ("qwen3", "granite", "smollm3", "olmo2", "phi3-longrope", "qwen3_moe", "qwen2_moe", "mixtral",
-                   "gemma2", "gemma3_text")
+                   "gemma2", "gemma3_text", "gpt_oss")
+
+
+def build(path: Path, name: str) -> Path:
+    """``CONFIGS[name]``'s tiny checkpoint. gpt_oss's biases that start at zero (the experts') and its attention sinks
+    (near zero) are drawn at random: zeros would hide a missing or misordered bias, and equal sinks a sink read
+    for the wrong head."""
+    model_type, overrides = CONFIGS[name]
+    folder = build_tiny(path, model_type, **overrides)
+    if model_type == "gpt_oss":
+        tensors = load_file(folder / "model.safetensors")
+        generator = torch.Generator().manual_seed(5)
+        for key, value in tensors.items():
+            if key.endswith("sinks"):
+                tensors[key] = torch.rand(value.shape, generator=generator) * 4 - 2
+            elif key.endswith("bias") and not value.any():
+                tensors[key] = torch.rand(value.shape, generator=generator) - 0.5
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model_type, overrides = CONFIGS[request.param]
-    return build_tiny(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    return build(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def logits_in_chunks(model: DecoderModel, ids: list[int], cuts: list[int]) -> torch.Tensor:
@@ -152,14 +181,12 @@ def test_int8_serves_every_family_close_to_dense_and_chunking_invariant(checkpoi
     assert (whole - dense).norm() / dense.norm() < 0.05, checkpoint.name
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_an_int8_moe_layer_gives_a_row_the_same_bits_alone_or_batched(name: str, tmp_path: Path) -> None:
     """The router (and qwen2_moe's shared-expert gate) and the int8 experts compute each row on its own: every row
     alone, beside 5 others or among 47 gets the bits it gets in a prefill of 80 (a dense GEMM router did not, for
     fewer than 8 rows; a plain sigmoid on the shared-expert gate did not for some rows)."""
-    model_type, overrides = CONFIGS[name]
-    model = DecoderModel(build_tiny(tmp_path / name, model_type, **overrides), dtype=torch.float32,
-                         device=torch.device("cpu"))
+    model = DecoderModel(build(tmp_path / name, name), dtype=torch.float32, device=torch.device("cpu"))
     calibration = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(3)).tolist()
     smooth_and_quantize(model, calibrate(model, calibration))
     moe = model.layers[0].mlp
@@ -172,8 +199,7 @@ def test_an_int8_moe_layer_gives_a_row_the_same_bits_alone_or_batched(name: str,
 
 @pytest.fixture(scope="module", params=ENGINE_FAMILIES)
 def lean_engine_and_folder(request, tmp_path_factory: pytest.TempPathFactory):
-    model_type, overrides = CONFIGS[request.param]
-    folder = build_tiny(tmp_path_factory.mktemp(f"engine-{request.param}"), model_type, **overrides)
+    folder = build(tmp_path_factory.mktemp(f"engine-{request.param}"), request.param)
     engine = engine_on_path(folder, "auto", "lean")
     yield engine, folder
     engine.stop()

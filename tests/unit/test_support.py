@@ -49,6 +49,12 @@ GEMMA2_NAMES = (NAMES - {"lm_head.weight"}) | {f"model.layers.0.{n}_feedforward_
                                                for n in ("pre", "post")}
 GEMMA3 = {**GEMMA2, "model_type": "gemma3_text"}
 GEMMA3_NAMES = GEMMA2_NAMES | QK_NORMS
+GPT_OSS = {"model_type": "gpt_oss", "num_hidden_layers": 1, "num_local_experts": 2, "num_experts_per_tok": 1,
+           "sliding_window": 64, "layer_types": ["sliding_attention"]}
+GPT_OSS_NAMES = (NAMES - MLP) | {"model.layers.0.self_attn.sinks"} | {
+    f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"} | {f"model.layers.0.mlp.{n}" for n in (
+        "router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
+        "experts.down_proj_bias")}
 
 
 @pytest.mark.parametrize("config", [
@@ -96,6 +102,10 @@ def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
     ({**GEMMA3, "attn_logit_softcapping": 50.0}, GEMMA3_NAMES),  # transformers' gemma3 does not apply it
     ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
                                     "sliding_attention": {"rope_type": "default"}}}, GEMMA3_NAMES),
+    (GPT_OSS, GPT_OSS_NAMES),  # a window shorter than max_model_len: gpt_oss's sliding layers are implemented
+    ({**GPT_OSS, "attention_bias": False}, GPT_OSS_NAMES - {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}),
+    ({**GPT_OSS, "layer_types": None, "hidden_act": "gelu"}, GPT_OSS_NAMES),  # hidden_act: not read
+    ({**GPT_OSS, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "truncate": False}}, GPT_OSS_NAMES),
 ])
 def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, names: set[str]) -> None:
     check_lean(config, names, 4096)
@@ -143,6 +153,11 @@ def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, na
     ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
     ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "layer_types": ["sliding_attention"]}, "sliding"),
     ({**LLAMA, "quantization_config": {"quant_method": "awq"}}, "pre-quantised weights"),
+    ({**GPT_OSS, "quantization_config": {"quant_method": "mxfp4"}}, "pre-quantised weights (quantization_config mx"),
+    ({**GPT_OSS, "layer_types": ["chunked_attention"]}, "layer_types"),
+    ({**GPT_OSS, "sliding_window": None}, "sliding_attention layers without a sliding_window"),
+    ({**GPT_OSS, "num_experts_per_tok": 3}, "num_experts_per_tok 3 of 2 experts"),
+    ({**GPT_OSS, "rope_parameters": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
 ])
 def test_anything_else_is_refused_naming_it(config: dict, named: str) -> None:
     with pytest.raises(UnsupportedModel) as refused:
@@ -188,6 +203,10 @@ def test_each_family_reads_its_own_tensors(model_type: str, names: set[str], nam
     (QWEN3_MOE, QWEN2_MOE_NAMES | QK_NORMS, "would not read: model.layers.0.mlp.shared_expert"),  # qwen3_moe: none
     (MIXTRAL, MIXTRAL_NAMES - {"model.layers.0.block_sparse_moe.gate.weight"}, "without model.layers.0.block_spar"),
     (MIXTRAL, QWEN3_MOE_NAMES - QK_NORMS, "without model.layers.0.block_sparse_moe"),
+    (GPT_OSS, GPT_OSS_NAMES - {"model.layers.0.self_attn.sinks"}, "without model.layers.0.self_attn.sinks"),
+    (GPT_OSS, GPT_OSS_NAMES - {"model.layers.0.mlp.router.bias"}, "without model.layers.0.mlp.router.bias"),
+    (GPT_OSS, (GPT_OSS_NAMES - {"model.layers.0.mlp.experts.down_proj"}) | {
+        "model.layers.0.mlp.experts.down_proj_blocks"}, "would not read: model.layers.0.mlp.experts.down_proj_b"),
 ])
 def test_the_moe_and_fused_families_read_their_own_tensors(config: dict, names: set[str], named: str) -> None:
     with pytest.raises(UnsupportedModel, match=named):
@@ -207,6 +226,8 @@ def test_moe_layers_and_expert_counts() -> None:
     assert num_experts({"model_type": "qwen2_moe"}) == 60
     assert num_experts({"model_type": "qwen3_moe", "num_local_experts": 60}) == 60
     assert num_experts({"model_type": "llama", "num_experts": 4}) == 0
+    assert moe_layers({**two, "model_type": "gpt_oss"}) == [True] * 4
+    assert num_experts({"model_type": "gpt_oss"}) == 128
 
 
 def test_phi3_names_longrope_su_and_yarn() -> None:
@@ -225,6 +246,15 @@ def test_family_defaults_fill_what_a_config_leaves_out() -> None:
     assert "rope_theta" not in with_family_defaults({"model_type": "smollm3",
                                                      "rope_parameters": {"rope_theta": 5e6}})
     assert "head_dim" not in with_family_defaults({"model_type": "llama"})
+    # gpt_oss: its yarn only where the config names no RoPE, with the config's theta; either name replaces it whole
+    default = with_family_defaults({"model_type": "gpt_oss", "rope_theta": 5e5})
+    assert rope_type(default) == "yarn" and default["rope_parameters"]["rope_theta"] == 5e5
+    assert default["rope_parameters"]["truncate"] is False and "rope_theta" not in default
+    assert with_family_defaults({"model_type": "gpt_oss"})["rope_parameters"]["rope_theta"] == 150000.0
+    older = with_family_defaults({"model_type": "gpt_oss", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert "rope_parameters" not in older and rope_type(older) == "linear" and older["rope_theta"] == 150000.0
+    plain = {"model_type": "gpt_oss", "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}
+    assert with_family_defaults(plain)["rope_parameters"] == plain["rope_parameters"]
 
 
 def test_rope_layers() -> None:
@@ -247,6 +277,8 @@ def test_gemma_sliding_layers_and_rope_per_layer_type() -> None:
     assert sliding_layers({**four, "model_type": "gemma3_text",
                            "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}) == [False] * 3 + [True]
     assert sliding_layers({**four, "model_type": "mistral", "sliding_window": 8}) == [False] * 4
+    assert sliding_layers({**four, "model_type": "gpt_oss"}) == [True, False, True, False]
+    assert sliding_layers({**four, "model_type": "gpt_oss", "layer_types": ["full_attention"] * 4}) == [False] * 4
     nested = layer_rope_configs({"model_type": "gemma3_text", "rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {"rope_theta": 5.0}}})
     assert nested[False]["rope_parameters"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
