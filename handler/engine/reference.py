@@ -7,11 +7,24 @@ its sequence's own transformers cache (``DynamicCache`` built from the config, s
 keep what their architecture keeps), and a step runs each sequence's rows through the model as a batch of one:
 the numbers are transformers' own, whatever else is running (exact by construction, slower than the lean path).
 Prefill is chunked as the scheduler plans it, through ``cache_position``.
+
+A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
+transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
+them (the processor's outputs for the request's ``prompt_images``, re-run on the placeholder prompt; position ids from
+``_prepare_position_ids_for_generation``), every forward's inputs come from ``model.prepare_inputs_for_generation`` and
+are carried on by ``_update_model_kwargs_for_generation``, so each family's quirks (qwen2_vl's M-RoPE rope deltas,
+gemma3's token type ids, paligemma's prefix mask, ...) are transformers' own. State a model keeps on itself between
+forwards (``rope_deltas``) is saved per sequence and put back before each of its forwards. Image features cannot be
+split across chunks, so a VLM prompt (with images or without) is prefilled in ONE forward: on its first planned
+chunk the whole prompt is computed; the plan's later chunks only hand on rows already computed (prompt logprobs),
+and the last prompt position's logits are returned when the plan's final chunk arrives (``advance(plan)`` keeps
+its meaning: the sequence's cached count moves chunk by chunk as planned).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 
 import torch
@@ -42,18 +55,29 @@ class _OwnCaches(Unbounded):
 class ReferenceRunner:
     prefix_ids: tuple[int, ...] = ()  # no prefix cache: every prompt is computed whole
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, processor=None, vision: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.space = _OwnCaches()
-        self._caches = self.space.caches  # sequence -> its transformers cache
+        self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
+        self.vision = vision
+        self.processor = processor  # a VLM's processor: pixel values and the family's other inputs
+        # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
+        self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> ReferenceRunner:
-        from transformers import AutoModelForCausalLM
+    def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
+             vision: bool = False) -> ReferenceRunner:
+        if not vision:
+            from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-        return cls(model.to(device).eval())
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+            return cls(model.to(device).eval())
+        from transformers import AutoProcessor
+
+        model = _load_vision_model(model_dir, dtype)
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        return cls(model.to(device).eval(), processor, vision=True)
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +92,8 @@ class ReferenceRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
+        if self.vision:
+            return self._run_generate(plan)
         rows, sequences, scored = [], [], []
         for sequence in plan.decode:
             if not sequence.is_prefilling:  # a prefilling sequence's decode row only holds its slot's place
@@ -102,3 +128,106 @@ class ReferenceRunner:
                             cache_position=positions, position_ids=positions[None], use_cache=True, logits_to_keep=keep)
         self._caches[sequence] = output.past_key_values
         return output.logits[0]
+
+    # --- vision-language models: driven as transformers' generate drives them ---
+
+    def _run_generate(self, plan: StepPlan) -> StepOutput:
+        rows, sequences, scored = [], [], []
+        for sequence in plan.decode:
+            if not sequence.is_prefilling:
+                state = self._caches[sequence]
+                ids = torch.tensor([sequence.tokens(0, sequence.num_cached + 1)], device=self.device)
+                rows.append(self._generate_forward(state, ids, first=False, keep=1)[-1])
+                sequences.append(sequence)
+        for sequence, start, length in plan.prefill:
+            if start == 0:  # the whole prompt, in one forward
+                scoring = sequence.wants_prompt_logprobs
+                self._caches[sequence] = state = self._new_generation(sequence)
+                ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
+                logits = self._generate_forward(state, ids, first=True, keep=0 if scoring else 1)
+                state.prompt_logits = logits if scoring else logits[-1:]
+            state = self._caches[sequence]
+            if sequence.wants_prompt_logprobs:
+                wanted = len(prompt_logprobs.scored_rows(sequence, start, length, 0))
+                if wanted:
+                    scored.append((sequence, start, state.prompt_logits[start:start + wanted].float()))
+            if start + length == sequence.prefill_target:
+                rows.append(state.prompt_logits[-1])
+                sequences.append(sequence)
+                state.prompt_logits = None
+        advance(plan)
+        logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
+        return StepOutput(sequences, logits, scored)
+
+    def _new_generation(self, sequence: Sequence) -> _Generation:
+        """The model kwargs ``generate`` would start from for this sequence's prompt (a batch of one, no padding)."""
+        request = sequence.request.request
+        given = request.prompt_images
+        prompt = list(request.prompt_ids)
+        kwargs: dict[str, object] = {}
+        if given is not None:
+            text = self.processor.tokenizer.decode(list(given.placeholder_ids), skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False)
+            inputs = self.processor(text=[text], images=list(given.images), add_special_tokens=False,
+                                    return_tensors="pt", **dict(given.processor_kwargs))
+            expanded = inputs.pop("input_ids")[0].tolist()
+            if expanded != prompt:
+                raise ValueError("the processor's expanded prompt differs from the request's prompt ids "
+                                 f"({len(expanded)} vs {len(prompt)} tokens)")
+            kwargs = {name: value.to(self.device) if isinstance(value, torch.Tensor) else value
+                      for name, value in inputs.items() if name != "attention_mask"}
+            if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
+                kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
+        ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
+        if ids.shape[1] > len(prompt):  # a resumed sequence: its output so far is text
+            extra = ids.shape[1] - len(prompt)
+            for name in ("token_type_ids", "mm_token_type_ids"):
+                if name in kwargs:
+                    kwargs[name] = torch.cat([kwargs[name], kwargs[name].new_zeros(1, extra)], dim=-1)
+        kwargs["past_key_values"] = self._new_cache()
+        kwargs["use_cache"] = True
+        if "position_ids" in inspect.signature(self.model.forward).parameters:
+            kwargs["position_ids"] = self.model._prepare_position_ids_for_generation(ids, {**kwargs, "input_ids": ids})
+        saved = [m.rope_deltas for m in self._stateful]  # as the position ids left them
+        return _Generation(kwargs, saved)
+
+    def _generate_forward(self, state: _Generation, ids: torch.Tensor, *, first: bool, keep: int) -> torch.Tensor:
+        """One forward as ``generate`` runs it: ``ids`` is the sequence so far (the prompt at ``first``)."""
+        for module, value in zip(self._stateful, state.saved, strict=True):
+            module.rope_deltas = value
+        if first:
+            inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=True, **state.kwargs)
+        else:
+            inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, **state.kwargs)
+        inputs["logits_to_keep"] = keep
+        output = self.model(**inputs, return_dict=True)
+        state.kwargs = self.model._update_model_kwargs_for_generation(output, state.kwargs,
+                                                                      is_encoder_decoder=False)
+        state.saved = [m.rope_deltas for m in self._stateful]
+        return output.logits[0]
+
+
+class _Generation:
+    """One VLM sequence's generate state: its model kwargs (cache included) and the model's per-prompt state."""
+
+    def __init__(self, kwargs: dict, saved: list) -> None:
+        self.kwargs = kwargs
+        self.saved = saved
+        self.prompt_logits: torch.Tensor | None = None
+
+
+def _load_vision_model(model_dir: Path, dtype: torch.dtype):
+    """A VLM checkpoint with transformers' image-text-to-text auto class (the class ``generate`` would use),
+    else the older vision-to-sequence or causal-LM mapping when the family is registered there only."""
+    import transformers
+
+    errors = []
+    for name in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
+        auto = getattr(transformers, name, None)
+        if auto is None:
+            continue
+        try:
+            return auto.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        except ValueError as error:  # the family is not in this mapping
+            errors.append(f"{name}: {error}")
+    raise ValueError(f"{model_dir}: no transformers auto class loads this vision model ({'; '.join(errors)})")

@@ -18,10 +18,14 @@ Supported ``model_type`` values (``SUPPORTED_VISION_TYPES``), each checked again
 - ``llava``: LLaVA-1.5 style (CLIP tower, MLP projector, Llama/Mistral/Qwen2 text model): one fixed-size view per
   image, a fixed number of image tokens in one run.
 
-The language model must be one of ``TEXT_MODEL_TYPES`` (llama, mistral, qwen2) with plain 1-D positions. Refused:
-Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions, M-RoPE: 3-D position ids); ``smolvlm`` (SmolVLM2:
-the idefics3 layout, but its processor also builds a video processor that needs torchvision, and needs num2words,
-neither of which the container installs: untested); every other VLM.
+The language model must be one of ``TEXT_MODEL_TYPES`` (llama, mistral, qwen2) with plain 1-D positions. The lean
+path refuses Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions, M-RoPE: 3-D position ids) and every other
+VLM (llava_next, gemma3, mllama, mistral3, paligemma, ...): under ``option.rolling_batch=auto`` ``loader.choose_path``
+serves those transformers knows on the transformers path instead (``reference.ReferenceRunner``: the checkpoint's
+own image-text-to-text model, driven as ``generate`` drives it, with ``ImageProcessor`` rendering the prompts;
+llava_next proven by ``tests/integration/test_reference_vision.py``). ``smolvlm`` (SmolVLM2) and the Qwen VL
+families are refused on both paths while torchvision is missing (``refused_everywhere``): their processors build a
+video processor that needs it, and the container does not install it.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ _LLAVA = Architecture(
 )
 ARCHITECTURES = {"idefics3": _IDEFICS3, "llava": _LLAVA}
 SUPPORTED_VISION_TYPES = tuple(ARCHITECTURES)
+# refused by the lean path (text_config): auto serves these on the transformers path instead, but for
+# _NEEDS_TORCHVISION
 _MROPE = "its language model takes multimodal rotary positions (M-RoPE, 3-D position ids), which model.py lacks"
 _REFUSED = {
     "qwen2_vl": _MROPE,
@@ -88,6 +94,29 @@ _REFUSED = {
     "qwen3_vl_moe": _MROPE,
     "smolvlm": "its processor needs torchvision (for video) and num2words, which this container does not install",
 }
+
+
+# refused on the transformers path too while torchvision is missing: their processors build a video processor
+# that imports it (Qwen2VLProcessor, SmolVLMProcessor fail to load without it)
+_NEEDS_TORCHVISION = ("smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def refused_everywhere(config: dict) -> str | None:
+    """Why no path serves this VLM here (its processor needs torchvision, which the container lacks), else None."""
+    import importlib.util
+
+    model_type = config.get("model_type")
+    if model_type in _NEEDS_TORCHVISION and importlib.util.find_spec("torchvision") is None:
+        return (f"vision model type {model_type!r} is not supported on any path here: its processor needs "
+                "torchvision (for video), which this container does not install")
+    return None
+
+
+def transformers_knows(config: dict) -> bool:
+    """Whether transformers has this VLM's model type (the transformers path can load it)."""
+    from transformers import CONFIG_MAPPING
+
+    return config.get("model_type") in CONFIG_MAPPING
 
 
 @dataclass(frozen=True, slots=True)
