@@ -7,6 +7,10 @@ and the worker's RSS. Then the same load against bench/baseline_server.py (trans
 and the ratios. Bounded: each client sends ``--requests`` requests per level. Loopback only.
 
     make bench            # or: python -m bench.run [--levels 1,4,16,32] [--baseline-levels 1,4,16]
+
+``--backend vllm`` also serves the same model through the vLLM backend (``option.rolling_batch=vllm``, from
+``.venv-vllm``: ``make venv-vllm``), drives it with the same load in the same run, and adds a lean-vs-vLLM table:
+tok/s, TTFT, start time and RSS (all of vLLM's processes).
 """
 
 from __future__ import annotations
@@ -133,10 +137,13 @@ def rss_mb(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    try:
-        found = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
+    """Every descendant: the children of each of the process's threads (vLLM starts its engine from a thread)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
     return found + [g for c in found for g in children(c)]
 
 
@@ -190,6 +197,11 @@ def main() -> int:
     parser.add_argument("--baseline-levels", default="1,4,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per client per level")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    parser.add_argument("--backend", choices=("lean", "vllm"), default="lean",
+                        help="vllm: also measure the vLLM backend (.venv-vllm) under the same load")
+    parser.add_argument("--vllm-dtype", default="auto", help="option.dtype for the vLLM server (auto: fp32 on CPU)")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / os.environ.get("VENV_VLLM", ".venv-vllm") / "bin"
+                        / "python")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     base_levels = [int(x) for x in args.baseline_levels.split(",") if x]
@@ -211,6 +223,15 @@ def main() -> int:
         finally:
             stop(process)
     report = render(ours, base, ready_s, base_ready, levels, args.requests)
+    if args.backend == "vllm":
+        env = {"OPTION_ROLLING_BATCH": "vllm", "OPTION_DTYPE": args.vllm_dtype}
+        process, url, vllm_ready = start([str(args.vllm_python), "-m", "handler", "serve"], env, out / "vllm.log")
+        print(f"vllm: start -> /ping 200 in {vllm_ready:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
+        try:
+            other = measure("vllm", url, process.pid, levels, args.requests)
+        finally:
+            stop(process)
+        report += render_backends(ours, other, ready_s, vllm_ready, args.vllm_dtype)
     print(report)
     args.results.write_text(report)
     return 0
@@ -237,6 +258,23 @@ def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, lev
     sixteen = ours.get((False, 16), {}).get("tok_s")
     if single and sixteen:
         lines += ["", f"16 clients vs our own single stream: {sixteen / single:.1f}x"]
+    return "\n".join(lines) + "\n"
+
+
+def render_backends(lean: dict, vllm: dict, lean_ready: float, vllm_ready: float, dtype: str) -> str:
+    """The lean engine against vLLM behind the same front, same load, same run."""
+    lines = ["", f"## Lean engine vs vLLM (`--backend vllm`, vLLM option.dtype={dtype})", "",
+             f"Start -> /ping 200: lean {lean_ready:.1f} s, vLLM {vllm_ready:.1f} s", "",
+             "| mode | clients | lean tok/s | vLLM tok/s | lean/vLLM | TTFT p50 lean / vLLM (ms) | "
+             "RSS lean / vLLM (MB) |", "|---|---|---|---|---|---|---|"]
+    for key, row in sorted(lean.items()):
+        other = vllm.get(key)
+        if other is None:
+            continue
+        stream, clients = key
+        ttft = f"{row['ttft_p50'] * 1e3:.0f} / {other['ttft_p50'] * 1e3:.0f}" if stream else "—"
+        lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | {other['tok_s']:.1f} | "
+                     f"{row['tok_s'] / other['tok_s']:.2f}x | {ttft} | {row['rss_mb']:.0f} / {other['rss_mb']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
