@@ -21,8 +21,6 @@ FAMILIES = {
     "stablelm": {},
     "cohere": {},
     "gpt_neox": {},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
-                "layer_types": ["sliding_attention", "full_attention"]},
     "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
                     "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1,
@@ -54,6 +52,8 @@ FORCED = {
                   "shared_expert_intermediate_size": 32},
     "gemma2": {"head_dim": 16, "sliding_window": 8},
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
 }
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 23, 11, 4, 4242, 77, 3], [8, 9, 10], list(range(100, 140))]
 
