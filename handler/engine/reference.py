@@ -4,9 +4,13 @@ implement, behind the same step interface as ``runner.ModelRunner``.
 Our engine still schedules, samples, constrains, detokenises, stops, streams and cancels; only the forward pass is
 transformers' (``AutoModelForCausalLM``, the class the checkpoint's ``architectures`` names). Each cache slot holds
 its sequence's own transformers cache (``DynamicCache`` built from the config, so sliding-window and hybrid layers
-keep what their architecture keeps), and a step runs each sequence's rows through the model as a batch of one:
-the numbers are transformers' own, whatever else is running (exact by construction, slower than the lean path).
-Prefill is chunked as the scheduler plans it, through ``cache_position``.
+keep what their architecture keeps). Prefill is chunked as the scheduler plans it, through ``cache_position``, one
+sequence per forward. A step's decode rows share one forward where the cache allows it (``shares_steps``: every
+layer a plain full-attention cache, and a probe at load finds two sequences of different lengths decoded together
+equal to each alone): the caches are left-padded into one batch cache with the padding masked out, each row at its
+own position. Elsewhere (sliding windows, linear attention, a model that reads padding its own way) each sequence
+decodes as a batch of one. The numbers are transformers' own (batched, as its own batched ``generate`` computes
+them); the path is slower than the lean one.
 
 A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
 transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from pathlib import Path
 
 import torch
@@ -33,6 +38,8 @@ from handler.engine import prompt_logprobs
 from handler.engine.runner import StepOutput, advance
 from handler.engine.scheduler import StepPlan, Unbounded
 from handler.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class _OwnCaches(Unbounded):
@@ -64,6 +71,7 @@ class ReferenceRunner:
         self.processor = processor  # a VLM's processor: pixel values and the family's other inputs
         # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
         self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
+        self.shares_steps = not vision and self._probe_sharing()  # decode rows of a step in one forward
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -94,11 +102,14 @@ class ReferenceRunner:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
         if self.vision:
             return self._run_generate(plan)
-        rows, sequences, scored = [], [], []
-        for sequence in plan.decode:
-            if not sequence.is_prefilling:  # a prefilling sequence's decode row only holds its slot's place
-                rows.append(self._forward(sequence, [sequence.next_token], sequence.num_cached)[-1])
-                sequences.append(sequence)
+        scored = []
+        # a prefilling sequence's decode row only holds its slot's place
+        sequences = [sequence for sequence in plan.decode if not sequence.is_prefilling]
+        if len(sequences) > 1 and self.shares_steps:
+            rows = list(self._decode_together([self._caches[s] for s in sequences],
+                                              [s.num_cached for s in sequences], [s.next_token for s in sequences]))
+        else:
+            rows = [self._forward(s, [s.next_token], s.num_cached)[-1] for s in sequences]
         for sequence, start, length in plan.prefill:
             if start == 0:
                 self._caches[sequence] = self._new_cache()
@@ -118,6 +129,65 @@ class ReferenceRunner:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def _decode_together(self, caches: list, lengths: list[int], tokens: list[int]) -> torch.Tensor:
+        """One decode row per cache in one forward, ``[rows, vocab]``: the caches left-padded to the longest into
+        one batch cache, the padding masked out, each row at its own position; each row's new keys and values are
+        then appended to its own cache. (A copy of every cache per step: the price of sharing the weights' reads.)"""
+        from transformers import DynamicCache
+
+        longest = max(lengths)
+        batch = DynamicCache()
+        for index in range(len(caches[0].layers)):
+            keys = [cache.layers[index].keys for cache in caches]
+            values = [cache.layers[index].values for cache in caches]
+            batch.update(torch.cat([_left_pad(k, longest) for k in keys]),
+                         torch.cat([_left_pad(v, longest) for v in values]), index)
+        mask = torch.ones(len(caches), longest + 1, dtype=torch.long, device=self.device)
+        for row, length in enumerate(lengths):
+            mask[row, :longest - length] = 0
+        output = self.model(input_ids=torch.tensor(tokens, device=self.device)[:, None], attention_mask=mask,
+                            position_ids=torch.tensor(lengths, device=self.device)[:, None], past_key_values=batch,
+                            cache_position=torch.tensor([longest], device=self.device), use_cache=True,
+                            logits_to_keep=1)
+        for index, layer in enumerate(output.past_key_values.layers):
+            for row, cache in enumerate(caches):
+                cache.update(layer.keys[row:row + 1, :, -1:], layer.values[row:row + 1, :, -1:], index)
+        return output.logits[:, -1]
+
+    @torch.inference_mode()
+    def _probe_sharing(self) -> bool:
+        """Whether decode rows may share a forward here: every cache layer a plain full-attention one (sliding
+        windows, linear attention and other states step one sequence at a time), and two sequences of different
+        lengths decoded together get the logits each gets alone, within float rounding (checked at load, so a model
+        that reads padding or positions its own way is never batched wrongly)."""
+        from transformers.cache_utils import DynamicLayer
+
+        if any(type(layer) is not DynamicLayer for layer in self._new_cache().layers):
+            return False
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+        try:
+            alone, caches = [], []
+            for prompt in prompts:
+                cache = self._new_cache()
+                positions = torch.arange(len(prompt), device=self.device)
+                self.model(input_ids=torch.tensor([prompt], device=self.device), past_key_values=cache,
+                           cache_position=positions, position_ids=positions[None], use_cache=True)
+                caches.append(copy.deepcopy(cache))
+                position = torch.tensor([len(prompt)], device=self.device)
+                alone.append(self.model(input_ids=torch.tensor([[11]], device=self.device), past_key_values=cache,
+                                        cache_position=position, position_ids=position[None], use_cache=True,
+                                        logits_to_keep=1).logits[0, -1])
+            together = self._decode_together(caches, [len(p) for p in prompts], [11, 11])
+        except Exception as error:  # noqa: BLE001 (any failure means: do not share)
+            log.info("transformers path: decode steps not shared (%s: %s)", type(error).__name__, error)
+            return False
+        tolerance = 1e-4 if self.model.dtype == torch.float32 else 3e-2
+        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(alone, together, strict=True))
+        shares = error <= tolerance * max(1.0, float(torch.stack(alone).abs().max()))
+        log.info("transformers path: decode steps %s (batched vs alone: max |logit diff| %.2g)",
+                 "shared" if shares else "not shared", error)
+        return shares
 
     def _forward(self, sequence: Sequence, token_ids: list[int], start: int, keep: int = 1) -> torch.Tensor:
         """The last ``keep`` positions' logits (0: every position's), ``[rows, vocab]``, after feeding ``token_ids``
@@ -205,6 +275,11 @@ class ReferenceRunner:
                                                                       is_encoder_decoder=False)
         state.saved = [m.rope_deltas for m in self._stateful]
         return output.logits[0]
+
+
+def _left_pad(states: torch.Tensor, length: int) -> torch.Tensor:
+    """``[1, heads, n, dim]`` -> ``[1, heads, length, dim]``, zeros before (masked out)."""
+    return torch.nn.functional.pad(states, (0, 0, length - states.shape[-2], 0))
 
 
 class _Generation:

@@ -86,3 +86,30 @@ def test_greedy_tokens_equal_transformers_generate_batched_and_chunked(engine_an
     for prompt, choices in zip(PROMPTS, results, strict=True):
         expected = reference_tokens(folder, prompt, 8)
         assert all(choice.token_ids == expected for choice in choices.values()), folder.name
+
+
+def test_a_steps_decode_rows_share_one_forward_where_the_cache_allows(tmp_path: Path) -> None:
+    """Full-attention caches: the decode rows of requests running together go through one forward (left-padded
+    batch cache), and the tokens are still generate's. A sliding-window cache steps one sequence at a time."""
+    folder = build_tiny(tmp_path / "llama", "llama")
+    engine = engine_on_path(folder, "transformers", "transformers")
+    try:
+        runner = engine._loaded.runner
+        assert runner.shares_steps
+        shapes, forward = [], runner.model.forward
+        runner.model.forward = lambda *args, **kwargs: (shapes.append(tuple(kwargs["input_ids"].shape)),
+                                                        forward(*args, **kwargs))[1]
+        stop = StopConditions(max_new_tokens=8, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), stop=stop)) for i, p in enumerate(PROMPTS)]
+        results = [collect(handle) for handle in handles]
+    finally:
+        engine.stop()
+    assert (len(PROMPTS), 1) in shapes  # every request decoding in the same forward
+    for prompt, choices in zip(PROMPTS, results, strict=True):
+        assert choices[0].token_ids == reference_tokens(folder, prompt, 8)
+    windowed = engine_on_path(build_tiny(tmp_path / "mistral", "mistral", sliding_window=8), "transformers",
+                              "transformers")
+    try:
+        assert not windowed._loaded.runner.shares_steps
+    finally:
+        windowed.stop()
