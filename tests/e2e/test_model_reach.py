@@ -103,13 +103,14 @@ def test_with_lean_asked_a_checkpoint_it_does_not_implement_is_refused_in_one_li
     assert named in line and "Traceback" not in "\n".join(lines)
 
 
-def test_a_vlm_whose_language_model_is_not_implemented_stops_the_server(tmp_path: Path) -> None:
-    """A VLM's language model is checked as it loads (in the worker); the failed load ends the process."""
+def test_with_lean_asked_a_vlm_whose_language_model_is_not_implemented_stops_the_server(tmp_path: Path) -> None:
+    """A VLM's language model is checked as it loads (in the worker); the failed load ends the process. (Under auto
+    the transformers path serves it: tests/e2e/test_reference_vision.py.)"""
     folder = build_tiny_vlm(tmp_path / "vlm")
     config = json.loads((folder / "config.json").read_text())
     config["text_config"]["hidden_act"] = "gelu"
     (folder / "config.json").write_text(json.dumps(config))
-    code, lines = serve_and_fail(folder, tmp_path)
+    code, lines = serve_and_fail(folder, tmp_path, OPTION_ROLLING_BATCH="lean")
     assert code != 0
     [line] = [line for line in lines if line.startswith("error: ")]
     assert "hidden_act 'gelu'" in line
