@@ -4,7 +4,8 @@ The lean model (``model.py``) is one block: pre-norm RMSNorm (``x * w``), attent
 ``rotate_half`` layout over the whole head, optional q/k/v and o biases, a SiLU-gated MLP without biases, every
 layer attending to every earlier position. The families it runs are that block with these differences:
 
-- llama, mistral, qwen2: the block itself.
+- llama, mistral, qwen2: the block itself; mistral (and mixtral, phi3) with every layer attending within
+  ``sliding_window`` when the config sets one (Mistral's default 4096 when config.json leaves the key out).
 - qwen3: RMSNorm on each q and k head (``q_norm`` / ``k_norm``, before RoPE); ``head_dim`` from the config.
 - granite: ``embedding_multiplier``, ``attention_multiplier`` (the attention scale), ``residual_multiplier`` (each
   sublayer's output) and ``logits_scaling`` (logits divided by it), all folded into weights at load.
@@ -62,6 +63,9 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # families whose sliding-window layers (``sliding_layers``) the lean model implements
 SLIDING_TYPES = GEMMA_TYPES + ("gpt_oss",)
+# families whose every layer attends within ``sliding_window`` when the config sets one (transformers builds their
+# masks with ``create_sliding_window_causal_mask`` then): Mistral, Mixtral, Phi-3 (e.g. Phi-3-mini-4k: 2047)
+WINDOWED_TYPES = ("mistral", "mixtral", "phi3")
 _GEMMA_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 # rope types whose tables transformers' rotary module computes once for every position (dynamic NTK changes
 # nothing up to max_position_embeddings, which bounds our context)
@@ -128,6 +132,7 @@ _FAMILY_DEFAULTS = {
                "attn_logit_softcapping": 50.0},
     "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096},
+    "mistral": {"sliding_window": 4096},  # MistralConfig's default: a config.json without the key has a window
     # (its RoPE only for a config that names none, ``with_family_defaults``)
     "gpt_oss": {"head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 128,
                 "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_theta": 150000.0,
@@ -189,12 +194,15 @@ def rope_layers(config: dict) -> list[bool]:
 
 
 def sliding_layers(config: dict) -> list[bool]:
-    """Per layer, whether it attends within ``sliding_window`` (gemma2, gemma3_text, gpt_oss): ``layer_types``
-    where the config has it, else transformers' config rule (gemma2, gpt_oss: every other layer from the first;
-    gemma3_text: all but every ``sliding_window_pattern``-th). False for every layer of the other families (they are
-    refused when a window would bind)."""
+    """Per layer, whether it attends within ``sliding_window``: every layer of mistral, mixtral and phi3 when the
+    config sets a window; gemma2's, gemma3_text's and gpt_oss's as ``layer_types`` says where the config has it,
+    else transformers' config rule (gemma2, gpt_oss: every other layer from the first; gemma3_text: all but every
+    ``sliding_window_pattern``-th). False for every layer of the other families (they are refused when a window
+    would bind)."""
     layers = config.get("num_hidden_layers", 0)
     family = config.get("model_type")
+    if family in WINDOWED_TYPES:  # (transformers ignores a Mistral config's layer_types)
+        return [bool(with_family_defaults(config).get("sliding_window"))] * layers
     if family not in SLIDING_TYPES:
         return [False] * layers
     if (layer_types := config.get("layer_types")) is not None:
@@ -286,7 +294,8 @@ def unsupported_features(config: dict, max_model_len: int) -> list[str]:
                        f"{config.get('num_hidden_layers', 0)} layers")
     if model_type in SLIDING_TYPES:
         reasons += _layer_type_problems(config)
-    elif (window := sliding_window(config)) is not None and window < max_model_len:
+    elif model_type not in WINDOWED_TYPES and (window := sliding_window(config)) is not None \
+            and window < max_model_len:
         reasons.append(f"sliding_window {window} (exact only up to that many positions: set "
                        f"option.max_model_len to at most {window}, now {max_model_len})")
     return reasons

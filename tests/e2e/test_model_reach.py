@@ -92,7 +92,6 @@ def test_a_checkpoint_is_served_exactly_alone_and_batched(tmp_path: Path, model_
     ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
      "set option.max_model_len to at most 64"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
-    ("mistral", {"sliding_window": 128}, "set option.max_model_len to at most 128"),
 ])
 def test_with_lean_asked_a_checkpoint_it_does_not_implement_is_refused_in_one_line(
         tmp_path: Path, model_type: str, overrides: dict, named: str) -> None:

@@ -54,6 +54,9 @@ CONFIGS = {
     "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": 8}),  # every layer, windows binding in every test
+    "phi3-sliding-window": ("phi3", {"sliding_window": 8}),
+    "mixtral-sliding-window": ("mixtral", {"sliding_window": 8}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),  # head_dim 128 (the config's) with hidden 64 / 4 heads
     "qwen3-bias-head-dim-32": ("qwen3", {"head_dim": 32, "attention_bias": True}),

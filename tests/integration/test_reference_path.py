@@ -34,7 +34,6 @@ FAMILIES = {
     "bitnet": {},
     "exaone4": {},
     "glm4": {},
-    "mistral": {"sliding_window": 8},
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128},
 }
@@ -54,6 +53,7 @@ FORCED = {
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
                 "layer_types": ["sliding_attention", "full_attention"]},
+    "mistral": {"sliding_window": 8},
 }
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 23, 11, 4, 4242, 77, 3], [8, 9, 10], list(range(100, 140))]
 

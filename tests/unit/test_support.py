@@ -103,6 +103,8 @@ def test_what_the_lean_block_computes_is_accepted(config: dict) -> None:
     ({**GEMMA3, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
                                     "sliding_attention": {"rope_type": "default"}}}, GEMMA3_NAMES),
     (GPT_OSS, GPT_OSS_NAMES),  # a window shorter than max_model_len: gpt_oss's sliding layers are implemented
+    ({**PHI3, "sliding_window": 2047}, PHI3_NAMES),  # Phi-3-mini-4k: every layer within its window
+    ({**MIXTRAL, "sliding_window": 1024}, MIXTRAL_NAMES),
     ({**GPT_OSS, "attention_bias": False}, GPT_OSS_NAMES - {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}),
     ({**GPT_OSS, "layer_types": None, "hidden_act": "gelu"}, GPT_OSS_NAMES),  # hidden_act: not read
     ({**GPT_OSS, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "truncate": False}}, GPT_OSS_NAMES),
@@ -122,12 +124,10 @@ def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, na
     ({**PHI3, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear' (it runs default, "
                                                                         "longrope)"),
     ({**PHI3, "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
-    ({**PHI3, "sliding_window": 2047}, "option.max_model_len to at most 2047"),
     ({**QWEN3_MOE, "num_local_experts": 4}, "num_experts and num_local_experts that differ (2, 4)"),
     ({**QWEN3_MOE, "num_experts_per_tok": 3}, "num_experts_per_tok 3 of 2 experts"),
     ({**QWEN3_MOE, "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
     ({**QWEN3_MOE, "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({**MIXTRAL, "sliding_window": 1024}, "option.max_model_len to at most 1024"),
     ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
     ({**LLAMA, "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
       "layer_types": ["sliding_attention"]}, "option.max_model_len to at most 64"),
@@ -149,7 +149,6 @@ def test_the_added_families_are_accepted_with_their_own_tensors(config: dict, na
     ({**LLAMA, "rope_scaling": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
     ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
-    ({**LLAMA, "model_type": "mistral", "sliding_window": 1024}, "option.max_model_len to at most 1024"),
     ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, "sliding_window 64"),
     ({**LLAMA, "model_type": "qwen2", "sliding_window": 64, "layer_types": ["sliding_attention"]}, "sliding"),
     ({**LLAMA, "quantization_config": {"quant_method": "awq"}}, "pre-quantised weights"),
@@ -276,7 +275,7 @@ def test_gemma_sliding_layers_and_rope_per_layer_type() -> None:
     assert sliding_layers({"num_hidden_layers": 7, "model_type": "gemma3_text"}) == [True] * 5 + [False, True]
     assert sliding_layers({**four, "model_type": "gemma3_text",
                            "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}) == [False] * 3 + [True]
-    assert sliding_layers({**four, "model_type": "mistral", "sliding_window": 8}) == [False] * 4
+    assert sliding_layers({**four, "model_type": "qwen2", "sliding_window": 8}) == [False] * 4  # refused instead
     assert sliding_layers({**four, "model_type": "gpt_oss"}) == [True, False, True, False]
     assert sliding_layers({**four, "model_type": "gpt_oss", "layer_types": ["full_attention"] * 4}) == [False] * 4
     nested = layer_rope_configs({"model_type": "gemma3_text", "rope_parameters": {
@@ -295,3 +294,14 @@ def test_sliding_window_in_effect() -> None:
     assert sliding_window({"model_type": "mistral", "sliding_window": 4096}) == 4096
     assert sliding_window({"model_type": "qwen2", "sliding_window": 4096}) is None  # use_sliding_window false
     assert sliding_window({"model_type": "llama"}) is None
+
+
+def test_mistral_mixtral_and_phi3_slide_every_layer_when_the_config_sets_a_window() -> None:
+    mistral = {**LLAMA, "model_type": "mistral", "num_hidden_layers": 3}
+    assert sliding_layers({**mistral, "sliding_window": 64}) == [True] * 3
+    assert sliding_layers({**mistral, "sliding_window": None}) == [False] * 3
+    assert sliding_layers({k: v for k, v in mistral.items() if k != "sliding_window"}) == [True] * 3  # 4096
+    # transformers ignores a Mistral config's layer_types: the window holds on every layer
+    assert sliding_layers({**mistral, "sliding_window": 64, "layer_types": ["full_attention"] * 3}) == [True] * 3
+    assert sliding_layers({**PHI3, "sliding_window": 2047}) == [True] * PHI3["num_hidden_layers"]
+    check_lean({**LLAMA, "model_type": "mistral", "sliding_window": 64}, NAMES, 4096)  # not refused any more
