@@ -195,8 +195,9 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
                          grammar=grammar, path="transformers", path_reason=reason)
-    # a VLM's prompts render through its processor, which hands the decoded images on to the runner
-    return loaded, PromptParts(tokenizer, vision.ImageProcessor.load(options.model_dir) if is_vision else None)
+    # a VLM's prompts render through its processor, whose outputs (pixel values, ...) go on to the runner
+    encoder = vision.ImageProcessor.load(options.model_dir, keep_inputs=True) if is_vision else None
+    return loaded, PromptParts(tokenizer, encoder)
 
 
 def needs_transformers(config: dict) -> bool:

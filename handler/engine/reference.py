@@ -14,7 +14,7 @@ them); the path is slower than the lean one.
 
 A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
 transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
-them (the processor's outputs for the request's ``prompt_images``, re-run on the placeholder prompt; position ids from
+them (the processor's outputs the prompt layer computed, ``prompt_images.inputs``; position ids from
 ``_prepare_position_ids_for_generation``), every forward's inputs come from ``model.prepare_inputs_for_generation`` and
 are carried on by ``_update_model_kwargs_for_generation``, so each family's quirks (qwen2_vl's M-RoPE rope deltas,
 gemma3's token type ids, paligemma's prefix mask, ...) are transformers' own. State a model keeps on itself between
@@ -62,13 +62,12 @@ class _OwnCaches(Unbounded):
 class ReferenceRunner:
     prefix_ids: tuple[int, ...] = ()  # no prefix cache: every prompt is computed whole
 
-    def __init__(self, model, processor=None, vision: bool = False) -> None:
+    def __init__(self, model, vision: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.space = _OwnCaches()
         self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
         self.vision = vision
-        self.processor = processor  # a VLM's processor: pixel values and the family's other inputs
         # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
         self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
         self.shares_steps = not vision and self._probe_sharing()  # decode rows of a step in one forward
@@ -81,11 +80,7 @@ class ReferenceRunner:
 
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
             return cls(model.to(device).eval())
-        from transformers import AutoProcessor
-
-        model = _load_vision_model(model_dir, dtype)
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(model.to(device).eval(), processor, vision=True)
+        return cls(_load_vision_model(model_dir, dtype).to(device).eval(), vision=True)
 
     @property
     def vocab_size(self) -> int:
@@ -235,25 +230,18 @@ class ReferenceRunner:
 
         request = sequence.request.request
         given = request.prompt_images
-        prompt = list(request.prompt_ids)
         kwargs: dict[str, object] = {}
-        if given is not None:
-            text = self.processor.tokenizer.decode(list(given.placeholder_ids), skip_special_tokens=False,
-                                                   clean_up_tokenization_spaces=False)
-            inputs = self.processor(text=[text], images=list(given.images), add_special_tokens=False,
-                                    return_tensors="pt", **dict(given.processor_kwargs))
-            expanded = inputs.pop("input_ids")[0].tolist()
-            if expanded != prompt:
-                raise ValueError("the processor's expanded prompt differs from the request's prompt ids "
-                                 f"({len(expanded)} vs {len(prompt)} tokens)")
+        if given is not None:  # the prompt layer's processor outputs (ImageProcessor with keep_inputs)
+            if given.inputs is None:
+                raise ValueError("the request's images come without the processor's outputs this path runs on")
             kwargs = {name: value.to(self.device) if isinstance(value, torch.Tensor) else value
-                      for name, value in inputs.items() if name != "attention_mask"}
+                      for name, value in given.inputs.items()}
             if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
                 kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
         ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
         # a resumed sequence: its output so far extended as generate extends it token by token (the family's own
         # rule: gemma3's token types 0, paligemma's 1 (the causal suffix), mllama's cross-attention mask rows)
-        for _ in range(ids.shape[1] - len(prompt)):
+        for _ in range(ids.shape[1] - len(request.prompt_ids)):
             kwargs = self.model._update_model_kwargs_for_generation(ModelOutput(), kwargs, is_encoder_decoder=False)
         kwargs["past_key_values"] = self._new_cache()
         kwargs["use_cache"] = True

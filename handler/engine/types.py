@@ -96,14 +96,17 @@ class PromptEmbeds:
 
 @dataclass(frozen=True, slots=True)
 class PromptImages:
-    """A prompt's images for a backend that runs the model's processor and vision tower itself (vLLM): the prompt
-    as the processor takes it, one placeholder token per image (``GenerationRequest.prompt_ids`` holds the same
-    prompt with the placeholders expanded, as the model sees it), the decoded images in order, and the processor
-    options the request asked for (OpenAI's ``detail: "low"``)."""
+    """A prompt's images for a backend that runs the model's vision tower itself: the prompt as the processor takes
+    it, one placeholder token per image (``GenerationRequest.prompt_ids`` holds the same prompt with the
+    placeholders expanded, as the model sees it), the decoded images in order, and the processor options the
+    request asked for (OpenAI's ``detail: "low"``), for vLLM, which runs the processor again; or, for the
+    transformers path, the processor's outputs themselves (``inputs``: pixel values and the family's other inputs,
+    the images then left out)."""
 
     placeholder_ids: tuple[int, ...]
     images: tuple[object, ...]                          # PIL.Image.Image, RGB
     processor_kwargs: tuple[tuple[str, object], ...] = ()
+    inputs: dict | None = None                          # name -> torch.Tensor, besides input_ids / attention_mask
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,7 @@ def language_config(config: dict) -> dict:
     (top level)."""
     from transformers import CONFIG_MAPPING
 
-    if config.get("model_type") not in CONFIG_MAPPING:
+    if not transformers_knows(config):
         raise ValueError(f"model type {config.get('model_type')!r} is not one transformers knows")
     full = CONFIG_MAPPING[config["model_type"]].from_dict(config)  # as from_pretrained reads config.json
     text = full.get_text_config(decoder=True).to_dict()
@@ -206,21 +206,23 @@ def text_state_dict(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
 
 class ImageProcessor:
     """A VLM checkpoint's processor alone: chat messages and images in, the prompt's token ids (image tokens
-    expanded) out, with the images themselves (``PromptImages``) for a backend that runs the vision tower itself
-    (vLLM, which knows more VLM families than ``ARCHITECTURES``). ``encode`` keeps no state, so threads may call it
-    at once."""
+    expanded) out, with the images (``PromptImages``) for a backend that runs the vision tower itself: the decoded
+    images for vLLM (which knows more VLM families than ``ARCHITECTURES`` and runs the processor again), or with
+    ``keep_inputs`` the processor's outputs for the transformers path (its model takes them as they are).
+    ``encode`` keeps no state, so threads may call it at once."""
 
-    def __init__(self, processor, low_detail: dict | None = None) -> None:
+    def __init__(self, processor, low_detail: dict | None = None, keep_inputs: bool = False) -> None:
         self.processor = processor
         self._low_detail = low_detail or {}
+        self._keep_inputs = keep_inputs
 
     @classmethod
-    def load(cls, model_dir: Path) -> ImageProcessor:
+    def load(cls, model_dir: Path, keep_inputs: bool = False) -> ImageProcessor:
         from transformers import AutoProcessor
 
         known = ARCHITECTURES.get(read_config(model_dir).get("model_type"))
         processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(processor, dict(known.low_detail) if known else None)
+        return cls(processor, dict(known.low_detail) if known else None, keep_inputs)
 
     def encode(self, messages: list[dict], images: list[Image.Image], *, low_detail: bool = False) -> MultimodalPrompt:
         """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
@@ -230,8 +232,13 @@ class ImageProcessor:
         ``low_detail`` (OpenAI's ``detail: "low"``) asks for the architecture's cheapest view: Idefics3 skips
         image splitting (one view instead of up to 37 tiles); LLaVA has only one view anyway."""
         text, options, inputs = self._process(messages, images, low_detail)
-        placeholders = self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        given = PromptImages(tuple(placeholders), tuple(images), tuple(options.items())) if images else None
+        placeholders = tuple(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        given = None
+        if images and self._keep_inputs:
+            kept = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            given = PromptImages(placeholders, (), tuple(options.items()), kept)
+        elif images:
+            given = PromptImages(placeholders, tuple(images), tuple(options.items()))
         return MultimodalPrompt(inputs["input_ids"][0].tolist(), [], None, given)
 
     def _process(self, messages: list[dict], images: list[Image.Image], low_detail: bool):

@@ -107,7 +107,7 @@ def test_llava_stays_lean_under_auto(tmp_path):
 
 
 def test_greedy_equals_generate_with_images(vlm_dir, engine, hf_model):
-    processor = ImageProcessor.load(vlm_dir)
+    processor = ImageProcessor.load(vlm_dir, keep_inputs=True)  # as the transformers path loads it
     cases = [
         (user({"type": "image"}, {"type": "text", "text": "What is this?"}), [image(40, 24, 1)]),
         (user({"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "and"},
