@@ -60,6 +60,8 @@ ROLLING_BATCH_VALUES = ("auto", "lean", "transformers", "vllm")
 # option.quantize values vLLM takes (checkpoints quantised by these methods); the lean engine takes auto, none and
 # dynamic_int8 only
 VLLM_QUANTIZE = ("awq", "gptq", "fp8", "bitsandbytes")
+# the lean engine's int8 Linear layers, by the input they read (option.int8_split)
+INT8_SITES = ("qkv", "out", "gate_up", "down", "lm_head")
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "auto": "auto"}
 
@@ -74,6 +76,9 @@ class Settings(BaseModel):
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
     # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
     quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
+    # int8 (lean engine): the Linear layers whose activations go in at 14 bits (two 7-bit halves) instead of 7 or 8;
+    # auto: all of them (handler/engine/quantize.py SPLIT); none; all; or a comma-separated list of sites
+    int8_split: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # LMI's key: which engine path serves. auto: vLLM when it is installed and the device is CUDA, else the lean
     # engine when it implements the checkpoint, else the checkpoint's own transformers code; lean: refuse what the
@@ -146,6 +151,14 @@ class Settings(BaseModel):
             return tuple(host.strip() for host in value.split(",") if host.strip())
         return value
 
+    @field_validator("int8_split")
+    @classmethod
+    def _known_int8_sites(cls, value: str) -> str:
+        sites = {site.strip() for site in value.split(",")}
+        if value in ("auto", "none", "all") or sites <= set(INT8_SITES):
+            return value if value in ("auto", "none", "all") else ",".join(s for s in INT8_SITES if s in sites)
+        raise ValueError(f"must be auto, none, all or a comma-separated list of {', '.join(INT8_SITES)}")
+
     @field_validator("rolling_batch")
     @classmethod
     def _known_rolling_batch(cls, value: str) -> str:
@@ -186,6 +199,14 @@ class Settings(BaseModel):
     @property
     def model_dir(self) -> Path:
         return Path(self.model_id) if self.model_id else DEFAULT_MODEL_DIR
+
+    @property
+    def int8_split_sites(self) -> frozenset[str] | None:
+        """``int8_split`` as site names; None: the engine's default (auto)."""
+        if self.int8_split == "auto":
+            return None
+        return frozenset(INT8_SITES if self.int8_split == "all" else () if self.int8_split == "none"
+                         else self.int8_split.split(","))
 
     @property
     def worker_timeout(self) -> int:

@@ -39,6 +39,9 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
         settings.quantize == "auto" and device == "cpu" and dtype == "float32")
     if quantize and (device != "cpu" or dtype != "float32"):
         raise ConfigError("option.quantize='dynamic_int8' needs option.device=cpu and option.dtype=float32")
+    if settings.int8_split != "auto" and not quantize:
+        raise ConfigError(f"option.int8_split={settings.int8_split!r} shapes the lean engine's int8, which this "
+                          "start does not use (option.quantize=none, or not fp32 on CPU)")
     return Resolved(device, dtype, quantize)
 
 
@@ -193,6 +196,7 @@ class ModelService:
         options = LoadOptions(self.settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                               self.engine.limits.max_running, self.engine.limits.max_model_len,
                               self.settings.rolling_batch, self.settings.quantize == "dynamic_int8",
+                              int8_split=self.settings.int8_split_sites,
                               kv_memory=KVMemory(self.settings.kv_cache_memory, self.settings.gpu_memory_utilization,
                                                  self.settings.workers, self.settings.enable_prefix_caching))
         loaded, parts = load(options, lambda: load_tokenizer(self.settings.model_dir))

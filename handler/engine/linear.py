@@ -8,6 +8,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from handler.config import INT8_SITES
+
 
 class DenseLinear:
     """``y = x W^T + b`` with the weight kept in the compute dtype."""
@@ -29,38 +31,72 @@ class Int8DynamicLinear:
     sentinel row holding ``-G`` and ``G - 1`` makes fbgemm choose exactly scale 1 and zero point ``G`` for the
     whole tensor. Quantising an integer with scale 1 is exact however the kernel does it (multiply by the inverse
     or divide, vector body or scalar tail), the integer GEMM is exact (integer sums do not depend on blocking),
-    and the float epilogue is elementwise. The previous design left the rounding to fbgemm.
+    and the float epilogue is elementwise.
 
     ``levels`` is 128 (7-bit activations, ``reduce_range``) where pairs of u8*s8 products are summed into int16
     (AVX2 without VNNI: 255*128*2 would saturate) and 256 where the kernel is proven exact at load
     (``activation_levels``: VNNI / AMX machines).
+
+    ``split``: 14-bit activations on every CPU (every layer by default: ``quantize.SPLIT``). Each row's ``k`` lies in
+    ``-8256..8127`` and is written as ``128 * h + l`` with both halves in ``-64..63``; the halves go through one
+    7-bit GEMM as extra rows (the weights are read once) and are recombined elementwise, so the same integers are
+    multiplied on an AVX2 and a VNNI machine.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.levels = activation_levels()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
+                 levels: int | None = None) -> None:
+        """``levels``: 128 or 256, this CPU's (``activation_levels``) when None."""
+        self.split = split
+        self.levels = 128 if split else levels or activation_levels()
         self.packed, self.row_sums = _pack(weight)
         self.bias = None if bias is None else bias.float()
         self.sentinel = torch.zeros(weight.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
+        # 8-bit activations asked for on a CPU whose kernel would saturate them: the same numbers, computed exactly
+        # from the int8 weights in float64 (``_exact_int8_linear``), slowly
+        self.exact = _exact_weights(weight) if self.levels == 256 and not full_range_is_exact() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _int8_linear(x, self.packed, self.row_sums, self.sentinel, self.levels)
+        if self.split:
+            y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
+        elif self.exact is not None:
+            y = _exact_int8_linear(x, *self.exact, self.row_sums)
+        else:
+            y = _int8_linear(x, self.packed, self.row_sums, self.sentinel, self.levels)
         return y if self.bias is None else y.add_(self.bias)
+
+
+def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel: int8 values (round to nearest) and fp32 scales ``max|w| / 127``."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    # the same int8 values as torch.quantize_per_channel, in a third of the time (start-up)
+    return torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8), scales
 
 
 def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
     """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
     centre term ``c * rowsum(W)`` matches the integer product exactly."""
-    weight = weight.float()
-    scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    int8, scales = _quantise_weight(weight)
     zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
-        # the same int8 values as torch.quantize_per_channel, in a third of the time (start-up)
-        int8 = torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8)
         qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
         packed = torch.ops.quantized.linear_prepack(qweight, None)
     return packed, qweight.dequantize().sum(dim=1)
+
+
+def _exact_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight as float64 ``[in, out]`` and its scales as fbgemm applies them (fp32)."""
+    int8, scales = _quantise_weight(weight)
+    return int8.double().T.contiguous(), scales.double().float()
+
+
+def _activation_grid(x: torch.Tensor, levels: int, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row ``step`` and ``centre``: ``x`` spans ``centre + step * k`` for ``k`` in ``-offset..levels-1-offset``."""
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
+    step = (high - low).mul_(1.0 / (levels - 1)).clamp_(min=1e-9)
+    return step, low.add_(step * offset)
 
 
 @torch.jit.script
@@ -83,16 +119,57 @@ def _int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedPa
     return y.mul_(step).addcmul_(centre, row_sums)  # x = centre + step * k
 
 
+@torch.jit.script
+def _split_int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
+                       row_sums: torch.Tensor, sentinel: torch.Tensor) -> torch.Tensor:
+    """``_int8_linear`` with 14-bit activations as two 7-bit halves (``Int8DynamicLinear.split``): the rows of
+    ``h`` then of ``l`` then the 7-bit sentinel go through one GEMM; ``W k = 128 * (W h) + W l``, each product
+    exact in int32 and its float within one rounding, recombined per element."""
+    rows = x.shape[0]
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    step = (high - low).mul_(1.0 / 16383.0).clamp_(min=1e-9)
+    centre = low.add_(step * 8256.0)  # k in -8256..8127
+    stacked = torch.empty(2 * rows + 1, x.shape[1], dtype=x.dtype)
+    shifted = torch.sub(x, centre, out=stacked[rows:2 * rows]).div_(step).round_().add_(64.0)  # k + 64
+    high_half = torch.div(shifted, 128.0, rounding_mode="floor", out=stacked[:rows])  # h in -64..63
+    shifted.sub_(high_half * 128.0).sub_(64.0)  # l = k - 128 h in -64..63, in place
+    stacked[2 * rows].copy_(sentinel)
+    y = torch.ops.quantized.linear_dynamic(stacked, packed, True)
+    return y[:rows].mul_(128.0).add_(y[rows:2 * rows]).mul_(step).addcmul_(centre, row_sums)
+
+
+def _exact_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                       row_sums: torch.Tensor) -> torch.Tensor:
+    """What fbgemm's full-range kernel returns on a VNNI machine (``float(W k) * scale``, ``W k`` exact), with the
+    integer product taken in float64 (exact below 2^53): for ``LLM_INT8_ACTIVATION_BITS=8`` on a CPU whose kernel
+    would saturate. Checked bit for bit against fbgemm wherever fbgemm is exact (``tests/unit/test_linear.py``)."""
+    step, centre = _activation_grid(x, 256, 128.0)
+    k = torch.sub(x, centre).div_(step).round_()
+    y = (k.double() @ weight).float().mul_(scales)
+    return y.mul_(step).addcmul_(centre, row_sums)
+
+
 _LEVELS: int | None = None
+_EXACT: bool | None = None
 
 
 def activation_levels() -> int:
     """256 when fbgemm's full-range u8*s8 GEMM is exact on this CPU (checked once on the worst case: every
-    activation 255 against weights of -128 and 127), else 128. ``LLM_INT8_ACTIVATION_BITS=7`` forces 128."""
+    activation 255 against weights of -128 and 127), else 128. ``LLM_INT8_ACTIVATION_BITS`` forces either: 7, or 8
+    (computed exactly, slowly, where the kernel would saturate: tests prove the 8-bit path's answers on any CPU)."""
     global _LEVELS
     if _LEVELS is None:
-        _LEVELS = 128 if os.environ.get("LLM_INT8_ACTIVATION_BITS") == "7" or not _full_range_is_exact() else 256
+        forced = os.environ.get("LLM_INT8_ACTIVATION_BITS")
+        _LEVELS = {"7": 128, "8": 256}.get(forced or "", 256 if full_range_is_exact() else 128)
     return _LEVELS
+
+
+def full_range_is_exact() -> bool:
+    """Whether fbgemm's u8*s8 GEMM is exact on full-range activations here (no int16 pair saturation)."""
+    global _EXACT
+    if _EXACT is None:
+        _EXACT = _full_range_is_exact()
+    return _EXACT
 
 
 def _full_range_is_exact() -> bool:
@@ -110,13 +187,23 @@ def _full_range_is_exact() -> bool:
     return True
 
 
-def describe_cpu() -> str:
-    """One line for the start-up log: the CPU features that decide the int8 kernel, and the path chosen."""
+def describe_cpu(split: frozenset[str] | None = None) -> str:
+    """One line for the start-up log: the CPU features that decide the int8 kernel, the path chosen, and (given)
+    the layers whose activations are split into 14 bits."""
     flags = _cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f in flags]
     levels = activation_levels()
-    return (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
-            f"fbgemm u8*s8->s32, {'8' if levels == 256 else '7'}-bit per-row activations on an exact grid")
+    emulated = " (computed exactly in float64: this CPU's kernel would saturate them; slow)" if (
+        levels == 256 and not full_range_is_exact()) else ""
+    head = (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
+            "fbgemm u8*s8->s32, ")
+    row_bits = f"{'8' if levels == 256 else '7'}-bit per-row activations on an exact grid{emulated}"
+    if split is None:
+        return head + row_bits
+    if split >= set(INT8_SITES):
+        return head + "14-bit per-row activations (two 7-bit halves: the same integers on every CPU) in every layer"
+    return head + f"{row_bits}; 14-bit (two 7-bit halves) into: {', '.join(sorted(split)) or 'none'}"
+
 
 
 def _cpu_flags() -> set[str]:

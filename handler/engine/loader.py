@@ -20,7 +20,7 @@ from handler.engine.engine import LoadedModel
 from handler.engine.kv_cache import KVSpace, whole_blocks
 from handler.engine.linear import describe_cpu
 from handler.engine.model import DecoderModel, load_state_dict, read_config
-from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
+from handler.engine.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 from handler.engine.reference import ReferenceRunner
 from handler.engine.runner import ModelRunner
 from handler.engine.support import UnsupportedModel, check_lean, rope_type, tensor_names
@@ -58,6 +58,7 @@ class LoadOptions:
     max_model_len: int
     rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
     quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
+    int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
     kv_memory: KVMemory = KVMemory()
 
 
@@ -125,8 +126,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
     if options.quantize:
         stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
-        smooth_and_quantize(model, stats)
-        log.info(describe_cpu())
+        smooth_and_quantize(model, stats, SPLIT if options.int8_split is None else options.int8_split)
+        log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
     loader.join()
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
@@ -183,9 +184,9 @@ def _choose_vision_path(options: LoadOptions, config: dict) -> tuple[str, str]:
 def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
                     reason: str) -> tuple[LoadedModel, PromptParts]:
     """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
-    if options.quantize_asked:
-        raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the transformers path "
-                               "serves option.dtype")
+    if options.quantize_asked or options.int8_split is not None:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean path's; the "
+                               "transformers path serves option.dtype")
     tokenizer = load_full_tokenizer()  # one thread imports transformers here
     is_vision = vision.is_vision_model(read_config(options.model_dir))
     runner = ReferenceRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),

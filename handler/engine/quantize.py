@@ -37,12 +37,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from handler.config import INT8_SITES
 from handler.engine.linear import Int8DynamicLinear
 from handler.engine.moe import ClampedSwiGLU, GatedMLP, SparseMoE
 
 if TYPE_CHECKING:
     from handler.engine.model import DecoderModel, Layer
 
+# The Linear layers whose inputs are quantised to 14 bits instead of 7 or 8 (``Int8DynamicLinear.split``): all of
+# them by default. Measured with bench.quality (mean KL against fp32): every layer at 7 bits 0.052, at 8 bits 0.022,
+# at 14 bits 0.0056 (the int8 weights' own floor, as with fp32 activations). Why all: a 7- or 8-bit row grid turns
+# the last-bit differences between CPUs' float kernels (attention, norms) into whole grid steps, so a near-tie answer
+# flips with the CPU; the README's own question did (fp32's first token 0.08 ahead of the wrong one: with 8-bit
+# layers it was wrong under one CPU's float kernels and right under another's, with 14-bit ones right under both).
+SPLIT = frozenset(INT8_SITES)
 ALPHA = 0.5  # best of 0.5 / 0.7 / 0.8 / 0.9 on the embedded model with a held-out text set (bench/quality.py)
 CALIBRATION_TEXT = (
     "<|im_start|>user\nCan you explain how a bicycle stays upright while moving?<|im_end|>\n<|im_start|>assistant\n"
@@ -124,8 +132,14 @@ def _factors(act_max: torch.Tensor, weight_max: torch.Tensor) -> torch.Tensor:
     return (act_max.clamp(min=1e-5).pow(ALPHA) / weight_max.pow(1 - ALPHA)).clamp(min=1e-2, max=1e2)
 
 
-def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]]) -> None:
-    """Fold smoothing into the producers, then replace every Linear (and the LM head) with int8."""
+def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]], split: frozenset[str] = SPLIT,
+                        levels: int | None = None) -> None:
+    """Fold smoothing into the producers, then replace every Linear (and the LM head) with int8; the sites named in
+    ``split`` (``qkv``, ``out``, ``gate_up``, ``down``, ``lm_head``) take 14-bit activations, the others ``levels``
+    (this CPU's when None: ``linear.activation_levels``)."""
+    def int8(weight: torch.Tensor, bias: torch.Tensor | None, site: str) -> Int8DynamicLinear:
+        return Int8DynamicLinear(weight, bias, site in split, levels)
+
     shape = model.shape
     v_start = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
     groups = shape.num_heads // shape.num_kv_heads
@@ -141,16 +155,19 @@ def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]
         out_s = v_s[:, None, :].expand_as(out_s).reshape(-1)
         qkv[v_start:] = qkv[v_start:] / v_s.reshape(-1, 1)
         out = layer.out.weight * out_s
-        layer.qkv = Int8DynamicLinear(qkv, _scaled_bias(layer.qkv.bias, v_start, v_s))
-        layer.out = Int8DynamicLinear(out, layer.out.bias)
+        layer.qkv = int8(qkv, _scaled_bias(layer.qkv.bias, v_start, v_s), "qkv")
+        layer.out = int8(out, layer.out.bias, "out")
         if isinstance(layer.mlp, SparseMoE):
-            _quantize_moe(layer, stat)
+            _quantize_moe(layer, stat, int8)
         else:
-            _quantize_mlp(layer, stat)
-    model.lm_head = Int8DynamicLinear(model.lm_head.weight, None)
+            _quantize_mlp(layer, stat, int8)
+    model.lm_head = int8(model.lm_head.weight, None, "lm_head")
 
 
-def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
+Int8Maker = Callable[[torch.Tensor, torch.Tensor | None, str], Int8DynamicLinear]
+
+
+def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) -> None:
     mlp = layer.mlp
     gate_up = mlp.gate_up.weight.clone()  # updated in place below
     if layer.post_norm is not None:
@@ -160,10 +177,10 @@ def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
     s = smoothing_factors(stat["down"], mlp.down.weight)
     gate_up[mlp.down.weight.shape[1]:] /= s[:, None]  # up rows: silu(gate) * up is linear in up
     down = mlp.down.weight * s
-    layer.mlp = GatedMLP(Int8DynamicLinear(gate_up, None), Int8DynamicLinear(down, None), mlp.activation)
+    layer.mlp = GatedMLP(int8(gate_up, None, "gate_up"), int8(down, None, "down"), mlp.activation)
 
 
-def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
+def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) -> None:
     """One factor per channel for everything the post-attention norm feeds (router and every expert's gate/up),
     then each expert as a dense MLP whose input is already smoothed."""
     moe = layer.mlp
@@ -178,14 +195,15 @@ def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor]) -> None:
         moe.router = moe.router * s.to(moe.router.dtype)
         if moe.shared_gate is not None:
             moe.shared_gate = moe.shared_gate * s.to(moe.shared_gate.dtype)
-    quantized = [_quantize_expert(expert, s, stat.get(name)) for expert, name in zip(experts, names, strict=True)]
+    quantized = [_quantize_expert(expert, s, stat.get(name), int8)
+                 for expert, name in zip(experts, names, strict=True)]
     moe.experts = quantized[:len(moe.experts)]
     if moe.shared is not None:
         moe.shared = quantized[-1]
 
 
-def _quantize_expert(expert: GatedMLP | ClampedSwiGLU, s: torch.Tensor | None,
-                     down_act: torch.Tensor | None) -> GatedMLP | ClampedSwiGLU:
+def _quantize_expert(expert: GatedMLP | ClampedSwiGLU, s: torch.Tensor | None, down_act: torch.Tensor | None,
+                     int8: Int8Maker) -> GatedMLP | ClampedSwiGLU:
     """An expert whose input is smoothed by ``s`` (None: unsmoothed), its down projection smoothed from the
     inputs it saw (None: no calibration row reached it, or a gpt_oss expert)."""
     gate_up = expert.gate_up.weight.clone() if s is None else expert.gate_up.weight * s
@@ -194,8 +212,8 @@ def _quantize_expert(expert: GatedMLP | ClampedSwiGLU, s: torch.Tensor | None,
         down_s = smoothing_factors(down_act, down)
         gate_up[down.shape[1]:] /= down_s[:, None]
         down = down * down_s
-    return replace(expert, gate_up=Int8DynamicLinear(gate_up, expert.gate_up.bias),
-                   down=Int8DynamicLinear(down, expert.down.bias))
+    return replace(expert, gate_up=int8(gate_up, expert.gate_up.bias, "gate_up"),
+                   down=int8(down, expert.down.bias, "down"))
 
 
 def _scaled_bias(bias: torch.Tensor | None, v_start: int, v_s: torch.Tensor) -> torch.Tensor | None:

@@ -132,6 +132,9 @@ def check_settings(settings: Settings, placement: Placement) -> None:
     if settings.kv_cache_memory is not None:
         raise ConfigError("option.kv_cache_memory is the lean engine's; vLLM sizes its cache from "
                           "option.gpu_memory_utilization")
+    if settings.int8_split != "auto":
+        raise ConfigError("option.int8_split is the lean engine's int8; vLLM takes awq, gptq, fp8 or bitsandbytes "
+                          "checkpoints (option.quantize)")
 
 
 def check_split(model_config: dict, tensor: int, pipeline: int) -> None:

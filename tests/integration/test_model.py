@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine.linear import _cpu_flags, activation_levels, describe_cpu
+from handler.engine.linear import _cpu_flags, activation_levels, describe_cpu, full_range_is_exact
 from handler.engine.loader import load_tokenizer
 from handler.engine.model import DecoderModel, build_layout
 from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
@@ -110,12 +110,31 @@ def test_int8_invariance_holds_on_avx2_kernels_too():
     assert "3 passed" in done.stdout
 
 
+def test_int8_invariance_holds_on_the_8_bit_path_on_any_cpu():
+    """The same checks with 8-bit activations forced: VNNI's kernel where this CPU has it, else the exact float64
+    stand-in for it (``linear._exact_int8_linear``), so an AVX2 machine proves the 8-bit path too."""
+    env = dict(os.environ, LLM_INT8_ACTIVATION_BITS="8", ENGINE_TEST_DEVICE="cpu")
+    tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
+             f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
+             f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+
+
 def test_avx2_kernels_take_the_7_bit_path():
     """Held to AVX2, the load-time probe finds full-range u8*s8 products saturating and picks 7-bit activations;
-    on an AVX-512 VNNI CPU left alone it picks 8 bits. Either way the line logged at start names the path."""
+    on an AVX-512 VNNI CPU left alone it picks 8 bits; ``LLM_INT8_ACTIVATION_BITS`` forces either. Each way the
+    line logged at start names the path, and whether the 8-bit one is computed by the exact stand-in."""
     levels = activation_levels()
-    if os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2":
+    forced = os.environ.get("LLM_INT8_ACTIVATION_BITS")
+    if forced:
+        assert levels == {"7": 128, "8": 256}[forced]
+        emulated = "computed exactly in float64" in describe_cpu()
+        assert emulated == (levels == 256 and not full_range_is_exact())
+    elif os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2":
         assert levels == 128
-    elif "avx512_vnni" in _cpu_flags() and "LLM_INT8_ACTIVATION_BITS" not in os.environ:
+    elif "avx512_vnni" in _cpu_flags():
         assert levels == 256  # fbgemm's VNNI kernels (AMX CPUs have them too); AVX-VNNI alone is left to the probe
     assert f"{'8' if levels == 256 else '7'}-bit per-row activations" in describe_cpu()

@@ -158,6 +158,7 @@ def test_unknown_properties_key_is_named(env: dict[str, str]) -> None:
     ({"OPTION_ENGINE": "vllm"}, "option.engine", "Python"),
     ({"MAX_BATCH_SIZE": "0"}, "option.max_rolling_batch_size", "greater than or equal to 1"),
     ({"OPTION_OUTPUT_FORMATTER": "xml"}, "option.output_formatter", "jsonlines"),
+    ({"OPTION_INT8_SPLIT": "down,mlp"}, "option.int8_split", "qkv, out, gate_up, down, lm_head"),
 ])
 def test_bad_value_names_key_and_reason(env: dict[str, str], environ: dict[str, str], key: str, reason: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -166,6 +167,23 @@ def test_bad_value_names_key_and_reason(env: dict[str, str], environ: dict[str, 
     assert key in message
     assert reason in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(("value", "sites"), [
+    ("auto", None), ("none", frozenset()), ("all", frozenset({"qkv", "out", "gate_up", "down", "lm_head"})),
+    ("down, qkv", frozenset({"qkv", "down"})),
+])
+def test_int8_split_names_the_layers_with_14_bit_activations(env: dict[str, str], value: str,
+                                                            sites: frozenset[str] | None) -> None:
+    assert load_settings({**env, "OPTION_INT8_SPLIT": value}).int8_split_sites == sites
+
+
+def test_int8_split_without_int8_is_refused() -> None:
+    from handler.service import resolve
+
+    with pytest.raises(ConfigError, match="option.int8_split='all'.*does not use"):
+        resolve(Settings(int8_split="all", quantize="none"), cuda_available=False)
+    assert resolve(Settings(int8_split="all"), cuda_available=False).quantize
 
 
 @pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model", "https://x/y"])

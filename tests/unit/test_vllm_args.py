@@ -86,6 +86,7 @@ def test_tensor_parallel_max_is_every_visible_gpu_and_cpu_workers_are_processes(
     ({"quantize": "dynamic_int8"}, CPU, SMOLLM2_135M, "option.quantize"),
     ({"device": "cuda"}, CPU, SMOLLM2_135M, "option.device"),
     ({"kv_cache_memory": "4GiB"}, GPUS8, LLAMA_70B, "option.kv_cache_memory"),
+    ({"int8_split": "all"}, CPU, SMOLLM2_135M, "option.int8_split"),
 ])
 def test_what_vllm_cannot_honour_is_a_start_error_naming_the_key(values: dict, placement: Placement, model: dict,
                                                                   key: str) -> None:
