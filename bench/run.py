@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -200,6 +201,12 @@ def main() -> int:
     parser.add_argument("--backend", choices=("lean", "vllm"), default="lean",
                         help="vllm: also measure the vLLM backend (.venv-vllm) under the same load")
     parser.add_argument("--vllm-dtype", default="auto", help="option.dtype for the vLLM server (auto: fp32 on CPU)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
+                        help="also measure our server with these environment settings under the same load, in the "
+                             "same run (e.g. int8-all:OPTION_INT8_SPLIT=all); repeatable")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --variant: measure ours and each variant this many times, alternating, and "
+                             "report each one's median")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / os.environ.get("VENV_VLLM", ".venv-vllm") / "bin"
                         / "python")
     args = parser.parse_args()
@@ -208,12 +215,12 @@ def main() -> int:
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
 
-    process, url, ready_s = start([sys.executable, "-m", "handler", "serve"], {}, out / "server.log")
-    print(f"server: start -> /ping 200 in {ready_s:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
-    try:
-        ours = measure("ours", url, process.pid, levels, args.requests)
-    finally:
-        stop(process)
+    variants = [("ours", {})] + [parse_variant(text) for text in args.variant]
+    runs: dict[str, list[tuple[dict, float]]] = {name: [] for name, _ in variants}
+    for _round in range(args.rounds if args.variant else 1):
+        for name, env in variants:
+            runs[name].append(measure_server(name, env, levels, args.requests, out))
+    ours, ready_s = median_run(runs["ours"])
     base, base_ready = {}, None
     if base_levels:
         process, url, base_ready = start([sys.executable, "-m", "bench.baseline_server", str(MODEL_DIR), "{port}"],
@@ -223,6 +230,8 @@ def main() -> int:
         finally:
             stop(process)
     report = render(ours, base, ready_s, base_ready, levels, args.requests)
+    if args.variant:
+        report += render_variants(variants, {name: median_run(r) for name, r in runs.items()}, args.rounds)
     if args.backend == "vllm":
         env = {"OPTION_ROLLING_BATCH": "vllm", "OPTION_DTYPE": args.vllm_dtype}
         process, url, vllm_ready = start([str(args.vllm_python), "-m", "handler", "serve"], env, out / "vllm.log")
@@ -235,6 +244,57 @@ def main() -> int:
     print(report)
     args.results.write_text(report)
     return 0
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:ENV=VALUE[,ENV=VALUE]`` -> ``(NAME, {ENV: VALUE})``; a value may hold commas
+    (``OPTION_INT8_SPLIT=qkv,down``): a comma starts a new pair only before ``ENV=``."""
+    name, _, settings = text.partition(":")
+    pairs = re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", settings) if settings else []
+    env = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+    if not name or not env:
+        raise SystemExit(f"--variant {text!r}: expected NAME:ENV=VALUE[,ENV=VALUE]")
+    return name, env
+
+
+def measure_server(name: str, env: dict[str, str], levels: list[int], per_client: int,
+                   out: Path) -> tuple[dict, float]:
+    """One of our servers (the defaults, or a variant's settings) under the load; its results and start time."""
+    process, url, ready_s = start([sys.executable, "-m", "handler", "serve"], env, out / f"server-{name}.log")
+    print(f"{name}: start -> /ping 200 in {ready_s:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
+    try:
+        return measure(name, url, process.pid, levels, per_client), ready_s
+    finally:
+        stop(process)
+
+
+def median_run(runs: list[tuple[dict, float]]) -> tuple[dict, float]:
+    """Per cell, the median over rounds (each figure on its own)."""
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    cells = runs[0][0].keys()
+    merged = {cell: {key: median([r[cell][key] for r, _ in runs]) for key in runs[0][0][cell]} for cell in cells}
+    return merged, median([ready for _, ready in runs])
+
+
+def render_variants(variants: list[tuple[str, dict]], results: dict[str, tuple[dict, float]], rounds: int) -> str:
+    """Each variant's tok/s beside ours (the defaults), and the ratio, same load, same run."""
+    names = [name for name, _ in variants]
+    lines = ["", f"## Settings compared in the same run ({rounds} round(s), alternating; medians)", ""]
+    lines += [f"- {name}: " + (", ".join(f"`{k}={v}`" for k, v in env.items()) or "the defaults")
+              for name, env in variants]
+    lines += ["", "| mode | clients | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+              " | ".join(f"{n} / ours" for n in names[1:]) + " |", "|---|---|" + "---|" * (2 * len(names) - 1)]
+    ours = results["ours"][0]
+    for key in sorted(ours):
+        stream, clients = key
+        figures = [results[name][0][key]["tok_s"] for name in names]
+        lines.append(f"| {'stream' if stream else 'plain'} | {clients} | " + " | ".join(f"{f:.1f}" for f in figures)
+                     + " | " + " | ".join(f"{f / figures[0]:.2f}x" for f in figures[1:]) + " |")
+    lines.append("| start (s) | — | " + " | ".join(f"{results[n][1]:.1f}" for n in names) + " | " + " | ".join(
+        f"{results[n][1] / results['ours'][1]:.2f}x" for n in names[1:]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, levels: list[int], per: int) -> str:
