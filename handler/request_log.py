@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from handler import metrics
@@ -42,6 +42,7 @@ class RequestRecord:
     num_completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     last_token_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (handle, choice) -> time
+    cut_by_deadline: bool = False                          # a choice ended at option.request_timeout with its text
 
     def on_event(self, handle_key: int, event: TokenEvent, now: float) -> float | None:
         """Take one event; returns the gap since the same choice's previous token, if there was one."""
@@ -80,8 +81,11 @@ class RequestRecord:
 class ObservedHandle:
     """An engine handle as the server reads it: times tokens into the record; an engine timeout becomes a 504.
 
-    A timeout ends a non-streaming request with ``GatewayTimeout`` and a stream with its final error record, both
-    through the server's usual error paths.
+    A timeout before any token ends a non-streaming request with ``GatewayTimeout`` and a stream with its final error
+    record, both through the server's usual error paths. A choice the deadline cut after tokens
+    (``FinishReason.DEADLINE``) reaches the formatters as ``LENGTH``: its text so far, as when ``max_tokens`` cuts it;
+    the record notes it (the log's finish reason ``deadline``, the timeout counter, and on a non-streaming response
+    the ``X-Request-Timeout`` header).
     """
 
     def __init__(self, handle: GenerationHandle, record: RequestRecord) -> None:
@@ -107,6 +111,11 @@ class ObservedHandle:
                 if event.finish_reason is FinishReason.ERROR and event.error_kind is ErrorKind.TIMEOUT:
                     metrics.record_timeout()
                     raise GatewayTimeout(event.error)
+                if event.finish_reason is FinishReason.DEADLINE:
+                    if not self._record.cut_by_deadline:
+                        metrics.record_timeout()
+                    self._record.cut_by_deadline = True
+                    event = replace(event, finish_reason=FinishReason.LENGTH)
                 yield event
         finally:
             if num_finished == 0:  # the reader stopped first: the client went away, or another prompt failed

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit
 IGNORED_HEADER = "extra-parameters-ignored"
+# on a non-streaming answer that option.request_timeout cut (finish_reason "length"): the timeout, in seconds
+TIMEOUT_HEADER = "X-Request-Timeout"
 UNLOGGED_ROUTES = frozenset({"/ping", "/metrics"})  # SageMaker pings every few seconds; scrapes are not traffic
 
 
@@ -320,6 +322,8 @@ class Routes:
         record = g.get("record")
         if record is not None and record.ignored_fields:
             response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in record.ignored_fields)
+        if record is not None and record.cut_by_deadline:  # a non-streaming answer the deadline cut (request_log)
+            response.headers[TIMEOUT_HEADER] = f"{self.service.settings.request_timeout:g}"
         for key in g.get("watch_keys", ()):
             response.call_on_close(lambda key=key: self.watcher.unwatch(key))
         if record is not None and record.route not in UNLOGGED_ROUTES:

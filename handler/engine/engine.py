@@ -328,9 +328,9 @@ class Engine:
                 self._finish(sequence, FinishReason.ABORT)
 
     def _expire_overdue(self) -> None:
-        """End every request past its deadline, waiting or running, with an error event naming the limit."""
+        """End every request past its deadline, waiting or running (``RequestState.end_overdue``)."""
         for state in self._admission.take_overdue(self._scheduler):
-            self._end(state, self._admission.timeout_error(), ErrorKind.TIMEOUT)
+            state.end_overdue(self._finish, self._admission.timeout_error())
 
     def _end_all(self, message: str) -> None:
         """End every request, waiting or running, with an error event (the engine is stopping)."""

@@ -221,6 +221,22 @@ class RequestState:
         self.sequences.append(sequence)
         return sequence
 
+    def end_overdue(self, finish: Callable[..., None], message: str) -> None:
+        """Past ``option.request_timeout``: a choice that has generated tokens ends with ``DEADLINE`` and its text so
+        far (held text released, as when ``max_tokens`` cuts it), so the user gets the answer that was paid for in
+        time; a choice with none, and any not started, ends with the timeout error (504). ``finish`` is the
+        backend's ``(sequence, reason, *, event, error, error_kind)``."""
+        self.is_expired = True
+        for sequence in list(self.sequences):
+            if sequence.finish_reason is not None:
+                continue
+            if sequence.output_ids:
+                tail = TokenEvent(index=sequence.index, token_id=None, text=sequence.detokenizer.flush())
+                finish(sequence, FinishReason.DEADLINE, event=tail)
+            else:
+                finish(sequence, FinishReason.ERROR, error=message, error_kind=ErrorKind.TIMEOUT)
+        self.finish_unstarted(FinishReason.ERROR, message, ErrorKind.TIMEOUT)
+
     def finish_unstarted(self, reason: FinishReason, error: str | None = None,
                          error_kind: ErrorKind | None = None) -> None:
         """End the choices that have no sequence yet (the request never got a slot, or was not forked yet)."""

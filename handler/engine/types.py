@@ -19,6 +19,8 @@ class FinishReason(enum.Enum):
     EOS = "eos"              # the model emitted an end-of-sequence token
     STOP = "stop"            # a stop string or stop token id matched
     LENGTH = "length"        # max_new_tokens or the context limit
+    DEADLINE = "deadline"    # option.request_timeout passed after tokens were generated: the answer is what came
+                             # before it (the wire says "length", as for max_tokens: a budget ran out)
     ABORT = "abort"          # the client went away or the server is shutting down
     ERROR = "error"          # this request failed; the message and its ``ErrorKind`` are on the event
 

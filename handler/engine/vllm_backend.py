@@ -278,6 +278,9 @@ class VllmBackend:
         for task in self._live.pop(state, []):
             task.cancel()
         self._grant_slots()
+        if kind is ErrorKind.TIMEOUT:
+            state.end_overdue(self._finish, message)
+            return
         for sequence in state.sequences:
             if sequence.finish_reason is None:
                 self._finish(sequence, reason, error=message, error_kind=kind or ErrorKind.MODEL)

@@ -123,13 +123,15 @@ def test_disconnected_stream_frees_its_slot(server: RunningServer) -> None:
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     env = {"OPTION_MAX_ROLLING_BATCH_SIZE": "1", "OPTION_MAX_QUEUE_SIZE": "1", "OPTION_REQUEST_TIMEOUT": "3",
-           "OPTION_QUANTIZE": "none", "OPTION_LOG_PROMPTS": "true"}
+           "OPTION_LOG_PROMPTS": "true"}
     running = start_server(tmp_path_factory.mktemp("tight"), env)
     yield running
     stop_server(running)
 
 
 def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: RunningServer) -> None:
+    """The deadline ends the running stream like max_tokens (its tokens are the answer: "length") and the waiting
+    one, which has none, with the timeout error."""
     url, long_chat = tight.url, {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with requests.Session() as first, requests.Session() as second:
         running = first.post(f"{url}/v1/chat/completions", json=long_chat, stream=True, timeout=60)
@@ -141,22 +143,30 @@ def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: 
         refused = requests.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30)
         assert refused.status_code == 429
         assert refused.json()["error"]["type"] == "rate_limit_error" and refused.headers["X-Request-Id"]
-        for lines in (running_lines, waiting_lines):
-            frames = list(lines)
-            assert frames[-1] == "data: [DONE]"
-            error = json.loads(frames[-2].removeprefix("data: "))["error"]
-            assert error["type"] == "timeout_error" and "timed out after 3 s" in error["message"]
+        frames = list(running_lines)
+        assert frames[-1] == "data: [DONE]"
+        chunks = [json.loads(frame.removeprefix("data: ")) for frame in frames[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        frames = list(waiting_lines)
+        assert frames[-1] == "data: [DONE]"
+        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "timeout_error" and "timed out after 3 s" in error["message"]
     wait_until(lambda: value(scrape(url), "llm_running_requests") == 0, "the engine to go idle")
     samples = scrape(url)
     assert value(samples, "llm_queue_rejections_total") == 1
     assert value(samples, "llm_request_timeouts_total") == 2
 
 
-def test_non_streaming_deadline_is_504_and_prompts_are_logged_when_asked(tight: RunningServer) -> None:
+def test_non_streaming_deadline_returns_the_text_so_far_and_prompts_are_logged_when_asked(
+        tight: RunningServer) -> None:
     response = requests.post(f"{tight.url}/invocations", json={"inputs": "Count to a million:", "parameters":
-                                                               {"max_new_tokens": 2000, "ignore_eos": True}},
+                                                               {"max_new_tokens": 2000, "ignore_eos": True,
+                                                                "details": True}},
                              timeout=60)
-    assert response.status_code == 504
-    assert response.json()["error"] == "request timed out after 3 s (option.request_timeout)"
+    assert response.status_code == 200 and response.headers["X-Request-Timeout"] == "3"
+    body = response.json()
+    assert body["details"]["finish_reason"] == "length" and 0 < body["details"]["generated_tokens"] < 2000
+    assert body["generated_text"] == "".join(token["text"] for token in body["details"]["tokens"])
     line = request_line(tight, response.headers["X-Request-Id"])
-    assert (line["status"], line["finish_reason"], line["prompt"]) == (504, "error", "Count to a million:")
+    assert (line["status"], line["finish_reason"], line["prompt"]) == (200, "deadline", "Count to a million:")

@@ -187,12 +187,14 @@ def test_waiting_request_past_its_deadline_ends_with_an_error(harness, fake_cloc
     assert finals(running)[0].finish_reason is FinishReason.LENGTH  # its own deadline is unlimited
 
 
-def test_running_request_past_its_deadline_frees_its_slot(harness, fake_clock) -> None:
+def test_running_request_past_its_deadline_ends_with_its_text_and_frees_its_slot(harness, fake_clock) -> None:
     h = harness(Admission(timeout_s=5))
     overdue = h.engine.submit(generation("a"))  # 400 tokens; the clock passes 5 s after a few steps
     events = list(overdue)
-    assert events[-1].finish_reason is FinishReason.ERROR and "timed out after 5 s" in events[-1].error
-    assert 0 < events[-1].num_generated_tokens < LONG.max_new_tokens
+    assert events[-1].finish_reason is FinishReason.DEADLINE and events[-1].error is None
+    generated = events[-1].num_generated_tokens
+    assert 0 < generated < LONG.max_new_tokens
+    assert "".join(e.text for e in events) == " world" * generated
     h.engine.admission = Admission()
     assert finals(h.engine.submit(generation("b", StopConditions(max_new_tokens=2))))[0].finish_reason \
         is FinishReason.LENGTH
@@ -279,23 +281,75 @@ def test_server_answers_a_full_queue_with_429_in_openai_shape(harness, app_for) 
         response.close()
 
 
-def test_server_answers_a_deadline_with_504_or_a_final_stream_record(harness, app_for, fake_clock) -> None:
+def test_server_answers_a_deadline_after_tokens_with_the_text_so_far(harness, app_for, fake_clock) -> None:
+    """What the deadline cut is the answer, ended like max_tokens ends one ("length"): non-streaming with the
+    X-Request-Timeout header, streams with their usual last record. Each is counted as a timeout."""
     h = harness(Admission(timeout_s=5))
     client = app_for(h, Settings(request_timeout=5))
     timeouts_before = counter("llm_request_timeouts_total")
     response = post(client, "/invocations", {**CHAT, "max_tokens": 400, "ignore_eos": True})
-    assert response.status_code == 504
-    assert response.get_json()["error"] == {"message": "request timed out after 5 s (option.request_timeout)",
-                                            "type": "timeout_error", "param": None, "code": None}
-    legacy = post(client, "/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
-    assert legacy.status_code == 504 and legacy.get_json()["error_type"] == "timeout_error"
+    assert response.status_code == 200 and response.headers["X-Request-Timeout"] == "5"
+    choice = response.get_json()["choices"][0]
+    generated = response.get_json()["usage"]["completion_tokens"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == " world" * generated
+    assert 0 < generated < 400
+    legacy = post(client, "/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 400, "ignore_eos": True,
+                                                                          "details": True}})
+    assert legacy.status_code == 200 and legacy.headers["X-Request-Timeout"] == "5"
+    details = legacy.get_json()["details"]
+    assert details["finish_reason"] == "length" and legacy.get_json()["generated_text"] == " world" * \
+        details["generated_tokens"]
     stream = post(client, "/invocations", {"inputs": "hi", "stream": True,
-                                           "parameters": {"max_new_tokens": 400, "ignore_eos": True}})
+                                           "parameters": {"max_new_tokens": 400, "ignore_eos": True,
+                                                          "details": True}})
     last = json.loads(stream.get_data().decode().splitlines()[-1])
-    assert stream.status_code == 200 and last["token"]["id"] == -1 and "timed out after 5 s" in last["error"]
+    assert stream.status_code == 200 and "X-Request-Timeout" not in stream.headers
+    assert last["details"]["finish_reason"] == "length" and last["generated_text"].startswith(" world")
     chat_stream = post(client, "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 400,
                                                         "ignore_eos": True})
     frames = chat_stream.get_data().decode().split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""]
+    assert json.loads(frames[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert counter("llm_request_timeouts_total") == timeouts_before + 4
+
+
+def test_server_answers_a_deadline_before_any_token_with_504_or_a_final_stream_record(harness, app_for,
+                                                                                       fake_clock) -> None:
+    """Nothing generated yet (waiting for a slot): nothing to give, so the timeout is an error."""
+    h = harness(Admission())
+    client = app_for(h, Settings(request_timeout=0.5))
+    holder = h.hold_after_admitting(generation("hold", StopConditions(max_new_tokens=1)))
+    h.engine.admission = Admission(timeout_s=0.5)  # every clock reading is a second later: overdue at once
+    timeouts_before = counter("llm_request_timeouts_total")
+    results: dict = {}
+    bodies = {"chat": {**CHAT, "max_tokens": 4}, "legacy": {"inputs": "hi", "parameters": {"max_new_tokens": 4}},
+              "stream": {"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 4}},
+              "chat_stream": {**CHAT, "stream": True, "max_tokens": 4}}
+
+    def send(name: str) -> None:
+        headers = {"Accept": "text/event-stream"} if name == "chat_stream" else {}
+        response = post(client, "/invocations", bodies[name], headers=headers)
+        results[name] = (response.status_code, response.get_data().decode())
+
+    threads = [threading.Thread(target=send, args=(name,), daemon=True) for name in bodies]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: h.engine._inbox.qsize() == 4)  # all four wait behind the held step
+    finally:
+        h.runner.open_gate()
+    finals(holder)
+    for thread in threads:
+        thread.join(30)
+    assert {name: status for name, (status, _) in results.items()} == {"chat": 504, "legacy": 504, "stream": 200,
+                                                                        "chat_stream": 200}
+    chat, legacy = (json.loads(results[name][1]) for name in ("chat", "legacy"))
+    assert chat["error"] == {"message": "request timed out after 0.5 s (option.request_timeout)",
+                             "type": "timeout_error", "param": None, "code": None}
+    assert legacy["error_type"] == "timeout_error"
+    last = json.loads(results["stream"][1].splitlines()[-1])
+    assert last["token"]["id"] == -1 and "timed out after 0.5 s" in last["error"]
+    frames = results["chat_stream"][1].split("\n\n")
     assert frames[-2:] == ["data: [DONE]", ""]
     assert json.loads(frames[-3].removeprefix("data: "))["error"]["type"] == "timeout_error"
     assert counter("llm_request_timeouts_total") == timeouts_before + 4

@@ -159,6 +159,16 @@ def test_observed_handle_turns_an_engine_timeout_into_504() -> None:
     assert record.num_prompt_tokens == 3 and record.finish_reason == "error"
 
 
+def test_observed_handle_passes_a_deadline_cut_on_as_length_and_counts_it() -> None:
+    record = RequestRecord("r", "/invocations", started=0.0)
+    handle = ObservedHandle(ScriptedHandle([token(0), final(0, FinishReason.DEADLINE, 1)]), record)
+    before = sample("llm_request_timeouts_total")
+    events = list(handle)
+    assert [e.finish_reason for e in events] == [None, FinishReason.LENGTH]
+    assert record.cut_by_deadline and record.finish_reason == "deadline"
+    assert sample("llm_request_timeouts_total") == before + 1
+
+
 def test_observed_handle_passes_other_errors_and_marks_a_reader_that_left() -> None:
     record = RequestRecord("r", "/invocations", started=0.0)
     failed = ObservedHandle(ScriptedHandle([final(0, FinishReason.ERROR, 0, "model step failed")]), record)

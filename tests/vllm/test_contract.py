@@ -13,7 +13,7 @@ from tests.e2e.test_lifecycle import (  # noqa: F401
 from tests.e2e.test_metrics import (  # noqa: F401
     test_disconnected_stream_frees_its_slot,
     test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams,
-    test_non_streaming_deadline_is_504_and_prompts_are_logged_when_asked,
+    test_non_streaming_deadline_returns_the_text_so_far_and_prompts_are_logged_when_asked,
     tight,
 )
 from tests.e2e.test_prompt_logprobs import *  # noqa: F403
