@@ -53,14 +53,11 @@ def wait_for_ping(url: str, process: subprocess.Popen, log_path: Path, timeout: 
 
 
 def start_server(tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
-    """The server on a free port. It serves fp32 unless ``env`` (or the caller's environment) says otherwise: the
-    suite checks the HTTP contract against the model's own greedy answers, which fp32 gives on every CPU, while
-    int8's per-CPU kernel path moves near-tied logits (measured: fp32's "The" 0.08 ahead of "L" for the capital
-    question flips with 8-bit activations). int8 is proven by tests/integration/test_model.py (batch invariance on
-    both ISA paths), tests/e2e/test_int8.py (the default server) and bench.quality."""
+    """The server on a free port, with the settings ``make serve`` and the image run (int8 on this CPU) unless
+    ``env`` says otherwise; a test that needs other settings names them there and says why."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
-    environ = {"OPTION_QUANTIZE": "none", **os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1",
+    environ = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1",
                "SAGEMAKER_MODEL_DIR": str(tmp_path / "no-sagemaker-model"), **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "handler", "serve"], cwd=REPO_ROOT, env=environ,

@@ -18,7 +18,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path):
     lines: list[dict] = []
 
     def stream() -> None:
-        body = {"inputs": "Count to a hundred:", "parameters": {"max_new_tokens": 60, "ignore_eos": True},
+        body = {"inputs": "Count to a hundred:", "parameters": {"max_new_tokens": 24, "ignore_eos": True},
                 "stream": True}
         with requests.post(f"{server.url}/invocations", json=body, stream=True, timeout=120) as response:
             for line in response.iter_lines():
@@ -41,7 +41,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path):
         refused = requests.post(f"{server.url}/invocations", json={"inputs": "x"}, timeout=10)
         assert refused.status_code == 503 and "stopping" in refused.json()["error"]
         reader.join(timeout=120)
-        assert lines[-1]["generated_text"] is not None and len(lines) == 60
+        assert lines[-1]["generated_text"] is not None and len(lines) == 24
         assert server.process.wait(timeout=40) == 0
     finally:
         stop_server(server)

@@ -131,13 +131,17 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: RunningServer) -> None:
     """The deadline ends the running stream like max_tokens (its tokens are the answer: "length") and the waiting
-    one, which has none, with the timeout error."""
+    one, which has none, with the timeout error. The waiting one arrives a moment after the first (its deadline is
+    that much later), so its prompt is long: when the slot frees, its chunked prefill outlasts that moment, and the
+    deadline finds it without a token however slow the machine is."""
     url, long_chat = tight.url, {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    long_prompt = {"messages": [{"role": "user", "content": "Summarise: " + "the keeper counted the waves. " * 400}],
+                   "max_tokens": 100, "stream": True}
     with requests.Session() as first, requests.Session() as second:
         running = first.post(f"{url}/v1/chat/completions", json=long_chat, stream=True, timeout=60)
         running_lines = stream_lines(running)
         next(running_lines)  # the role delta: submitted, and holding the only slot
-        waiting = second.post(f"{url}/v1/chat/completions", json=long_chat, stream=True, timeout=60)
+        waiting = second.post(f"{url}/v1/chat/completions", json=long_prompt, stream=True, timeout=60)
         waiting_lines = stream_lines(waiting)
         next(waiting_lines)
         refused = requests.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30)

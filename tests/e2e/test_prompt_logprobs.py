@@ -5,6 +5,7 @@ numbers; echo with logprobs (OpenAI's legacy shape), ``max_tokens: 0``, vLLM's `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from operator import itemgetter
 
 import openai
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from handler.config import DEFAULT_MODEL_DIR
-from tests.e2e.conftest import post, sse_events
+from tests.e2e.conftest import post, sse_events, start_server, stop_server
 from tests.e2e.test_completions import greedy_token_ids
 from tests.integration.test_prompt_logprobs import reference_logprobs
 
@@ -24,6 +25,17 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module", name="fp32_url")
+def _fp32_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server on fp32 (``option.quantize=none``) for the tests that hold our numbers to transformers' own fp32
+    forward, which lm-evaluation-harness compares models by: the default int8 rows are 0.01-0.2 away from it
+    (``bench.quality``'s KL), and the prompt-logprob code they run is the same. (Named with an underscore so that the
+    vLLM contract run, which imports this module's tests, uses its own server: tests/vllm/conftest.py.)"""
+    running = start_server(tmp_path_factory.mktemp("fp32"), {"OPTION_QUANTIZE": "none"})
+    yield running.url
+    stop_server(running)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -54,8 +66,8 @@ def lm_eval_parse(outputs: dict, ctxlens: list[int]) -> list[tuple[float, bool]]
     return res
 
 
-def test_lm_eval_loglikelihood_request_gets_transformers_numbers(url: str, tokenizer) -> None:
-    context = encode(tokenizer, CONTEXT)
+def test_lm_eval_loglikelihood_request_gets_transformers_numbers(fp32_url: str, tokenizer) -> None:
+    url, context = fp32_url, encode(tokenizer, CONTEXT)
     greedy = greedy_token_ids(url, CONTEXT, 3)  # the model's own answer, and one it would not give
     assert len(greedy) == 3
     inputs = [context + greedy, context + encode(tokenizer, " a small green banana")]  # lm-eval's batch of pairs
@@ -70,7 +82,8 @@ def test_lm_eval_loglikelihood_request_gets_transformers_numbers(url: str, token
     assert [is_greedy for _, is_greedy in parsed] == [True, False]
 
 
-def test_echo_with_logprobs_legacy_shape(client: openai.OpenAI, tokenizer) -> None:
+def test_echo_with_logprobs_legacy_shape(fp32_url: str, tokenizer) -> None:
+    client = openai.OpenAI(base_url=f"{fp32_url}/v1", api_key="unused", max_retries=0)
     completion = client.completions.create(model="m", prompt=CONTEXT, max_tokens=2, echo=True, logprobs=2)
     choice, prompt_ids = completion.choices[0], encode(tokenizer, CONTEXT)
     logprobs = choice.logprobs
@@ -130,8 +143,8 @@ def test_token_prompts_answer_like_text(client: openai.OpenAI, tokenizer) -> Non
     assert caught.value.body["param"] == "prompt[1]" and "vocabulary" in caught.value.body["message"]
 
 
-def test_legacy_decoder_input_details_prefill(url: str, tokenizer) -> None:
-    prompt_ids = encode(tokenizer, CONTEXT)
+def test_legacy_decoder_input_details_prefill(fp32_url: str, tokenizer) -> None:
+    url, prompt_ids = fp32_url, encode(tokenizer, CONTEXT)
     body = {"inputs": CONTEXT, "parameters": {"max_new_tokens": 2, "decoder_input_details": True}}
     response = post(url, body)
     assert response.status_code == 200, response.text

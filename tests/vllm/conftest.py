@@ -21,3 +21,10 @@ else:
     os.environ["OPTION_ROLLING_BATCH"] = "vllm"
     os.environ.setdefault("OPTION_ENFORCE_EAGER", "true")
     e2e.wait_for_ping.__defaults__ = (VLLM_START_TIMEOUT_S,)
+
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fp32_url(url: str) -> str:  # noqa: F811 (the e2e fixture of that name starts a server of its own)
+        """The e2e tests that compare with transformers' fp32 numbers: vLLM serves fp32 on this CPU already."""
+        return url
