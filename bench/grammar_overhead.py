@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from handler.engine.sampler import RowState
+from handler.engine.core.sampler import RowState
 from handler.engine.types import SamplingParams
 
 MODEL_DIR = Path("model_store/smollm2-135m-instruct")
@@ -84,7 +84,7 @@ def run_xgrammar(tokenizer, ids: list[int], vocab: int) -> tuple[float, float, l
 
 def mask_application_us(vocab: int, rows: int = 16, repeats: int = 20) -> float:
     """Our sampler's step from packed masks to masked logits, for ``rows`` rows (the same for either library)."""
-    from handler.engine.sampler import _apply_grammars
+    from handler.engine.core.sampler import _apply_grammars
 
     class Filled:
         """Stands in for a matcher whose mask allows every other token."""
@@ -103,8 +103,9 @@ def mask_application_us(vocab: int, rows: int = 16, repeats: int = 20) -> float:
 def engine_throughput(tokenizer, num_requests: int = 16, num_tokens: int = 64) -> None:
     """Aggregate tokens/s of the real engine, free against constrained (same prompts, same lengths)."""
     from handler.__main__ import keep_freed_memory
-    from handler.engine.engine import Engine, EngineLimits, wait_until_ready
-    from handler.engine.loader import LoadOptions, load
+    from handler.engine.backend import EngineLimits
+    from handler.engine.lean.engine import Engine, wait_until_ready
+    from handler.engine.lean.load import LoadOptions, load
     from handler.engine.types import GenerationRequest, GrammarSpec, StopConditions
 
     torch.set_num_threads(2)

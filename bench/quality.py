@@ -5,7 +5,7 @@ exactly in float64 where this CPU's kernel would saturate, so both paths are mea
 - the question set (``bench.questions``, 122 short questions with known answers), asked through the engine with the
   model's chat template, greedy, ``--max-tokens`` new tokens: accuracy, the share of answers identical to fp32's,
   and the share that end by ``length`` (a loop or a ramble) rather than ``stop``;
-- teacher-forced over held-out texts (disjoint from the calibration text in ``handler/engine/quantize.py``) and
+- teacher-forced over held-out texts (disjoint from the calibration text in ``handler/engine/model/quantize.py``) and
   fp32's own answers: top-1 agreement with fp32, mean KL(fp32 || scheme) per position, perplexity.
 
     python -m bench.quality [--schemes default,none,all] [--paths 7,8] [--max-tokens 100]
@@ -29,12 +29,13 @@ import torch
 
 from bench.questions import QUESTIONS, is_right
 from handler.engine.backend import EngineLimits
-from handler.engine.engine import Engine, LoadedModel, wait_until_ready
-from handler.engine.linear import describe_cpu
-from handler.engine.loader import eos_token_ids, load_tokenizer
-from handler.engine.model import DecoderModel, build_layout
-from handler.engine.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
-from handler.engine.runner import ModelRunner
+from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
+from handler.engine.lean.engine import Engine, LoadedModel, wait_until_ready
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.layout import build_layout
+from handler.engine.model.linear import describe_cpu
+from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.types import FinishReason, GenerationRequest, StopConditions
 from handler.prompt.renderer import PromptRenderer
 

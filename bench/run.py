@@ -174,11 +174,11 @@ def format_row(row: dict) -> str:
     return text + f"  rss {row['rss_mb']:6.0f}MB"
 
 
-def start(command: list[str], env: dict, log: Path) -> tuple[subprocess.Popen, str, float]:
+def start(command: list[str], env: dict, log: Path, tree: Path = ROOT) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
     env = {**os.environ, **env, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1"}
     with open(log, "wb") as handle:
-        process = subprocess.Popen([c.replace("{port}", str(port)) for c in command], cwd=ROOT, env=env,
+        process = subprocess.Popen([c.replace("{port}", str(port)) for c in command], cwd=tree, env=env,
                                    stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     return process, url, wait_ready(url, process)
@@ -203,7 +203,8 @@ def main() -> int:
     parser.add_argument("--vllm-dtype", default="auto", help="option.dtype for the vLLM server (auto: fp32 on CPU)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
                         help="also measure our server with these environment settings under the same load, in the "
-                             "same run (e.g. int8-all:OPTION_INT8_SPLIT=all); repeatable")
+                             "same run (e.g. int8-all:OPTION_INT8_SPLIT=all; TREE=/path serves another checkout's "
+                             "code, e.g. before:TREE=../before); repeatable")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --variant: measure ours and each variant this many times, alternating, and "
                              "report each one's median")
@@ -259,8 +260,12 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def measure_server(name: str, env: dict[str, str], levels: list[int], per_client: int,
                    out: Path) -> tuple[dict, float]:
-    """One of our servers (the defaults, or a variant's settings) under the load; its results and start time."""
-    process, url, ready_s = start([sys.executable, "-m", "handler", "serve"], env, out / f"server-{name}.log")
+    """One of our servers (the defaults, or a variant's settings) under the load; its results and start time. A
+    variant's ``TREE`` names another checkout to serve from (its code, this venv): code before and after a change,
+    measured in one run."""
+    env = dict(env)
+    tree = Path(env.pop("TREE", ROOT)).resolve()
+    process, url, ready_s = start([sys.executable, "-m", "handler", "serve"], env, out / f"server-{name}.log", tree)
     print(f"{name}: start -> /ping 200 in {ready_s:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
     try:
         return measure(name, url, process.pid, levels, per_client), ready_s

@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 
 from bench.run import start, stop
-from handler.engine.vision import VisionEncoder
+from handler.engine.model.vision import VisionEncoder
 from handler.images import DecodeLimits, FetchPolicy, decode_image_bytes, fetch_image_bytes
 from tests.vision_fixture import ImageServer
 

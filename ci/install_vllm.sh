@@ -22,6 +22,6 @@ start=$(date +%s)
 "$VENV/bin/pip" install --quiet --disable-pip-version-check -r requirements-vllm.txt "${TEST_TOOLS[@]}" 2>&1 \
   | { grep -v 'is neither a file nor a directory' || true; }
 "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import vllm, handler.engine.vllm_args" >/dev/null
+"$VENV/bin/python" -c "import vllm, handler.engine.vllm.args" >/dev/null
 echo "$want" > "$stamp"
 echo "install_vllm.sh: $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"

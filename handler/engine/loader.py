@@ -1,311 +1,75 @@
-"""Load a model folder into what the engine thread runs: the lean model, its runner, and the tokenizer."""
+"""Which backend serves a model folder, and building it; the one module outside code asks about models.
+
+``create_backend`` picks from ``option.rolling_batch``: vLLM's engine (``vllm/``, imported only then), or the lean
+engine (``lean/``), whose runner runs our model or the checkpoint's transformers model (``lean.load.choose_path``).
+Each calls ``on_parts`` once it has loaded, with what the prompt layer renders with (``core.tokenizer.PromptParts``)
+and which path serves. The folder checks here (``lean_refusal``, ``language_config``) are for the server's master
+process and the service: this module imports neither torch nor vLLM until a backend is built.
+"""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer
+from handler.config import Settings, check_lean_settings, vllm_installed
+from handler.engine.backend import Admission, EngineBackend, EngineLimits, EngineStats
+from handler.engine.types import PromptParts
 
-from handler.config import memory_amount
-from handler.engine import vision
-from handler.engine.constraints import GrammarCompiler
-from handler.engine.engine import LoadedModel
-from handler.engine.kv_cache import KVSpace, whole_blocks
-from handler.engine.linear import describe_cpu
-from handler.engine.model import DecoderModel, load_state_dict, read_config
-from handler.engine.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
-from handler.engine.reference import ReferenceRunner
-from handler.engine.runner import ModelRunner
-from handler.engine.support import UnsupportedModel, check_lean, rope_type, tensor_names
-from handler.errors import ConfigError
-
-log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PartsListener = Callable[[PromptParts, str, str], None]  # (parts, path: "lean" | "transformers" | "vllm", why)
 
 
-@dataclass(frozen=True, slots=True)
-class KVMemory:
-    """How much memory the KV cache may take (``option.kv_cache_memory``, on CUDA also
-    ``option.gpu_memory_utilization``), and whether it keeps prefixes (``option.enable_prefix_caching``)."""
+def uses_vllm(settings: Settings) -> bool:
+    """option.rolling_batch=vllm; auto: when vLLM is installed and a CUDA device is visible (on CPU the lean engine
+    is faster). Without vLLM installed, nothing here imports torch or vLLM."""
+    if settings.rolling_batch == "vllm":
+        return True
+    if settings.rolling_batch != "auto" or settings.device == "cpu" or not vllm_installed():
+        return False
+    import torch
 
-    amount: str | None = None          # bytes or a fraction of the available memory (``config.memory_amount``)
-    gpu_memory_utilization: float | None = None
-    workers: int = 1                   # processes sharing the machine's memory, each with its own cache
-    prefix_caching: bool = True
-
-
-# option.kv_cache_memory's default on CPU: this much of the memory available once the weights are in, shared by
-# the workers; on CUDA, vLLM's default gpu_memory_utilization
-DEFAULT_KV_FRACTION = 0.4
-DEFAULT_GPU_UTILIZATION = 0.9
+    return torch.cuda.is_available()
 
 
-@dataclass(frozen=True, slots=True)
-class LoadOptions:
-    model_dir: Path
-    dtype: str                 # a key of DTYPES
-    quantize: bool             # int8 dynamic quantisation of the Linear layers (CPU)
-    device: str                # "cpu" or "cuda"
-    max_running: int
-    max_model_len: int
-    rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
-    quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
-    int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
-    kv_memory: KVMemory = KVMemory()
+def create_backend(settings: Settings, limits: EngineLimits, on_parts: PartsListener,
+                   on_stats: Callable[[EngineStats], None] | None = None,
+                   on_ready: Callable[[], None] = lambda: None,
+                   on_failed: Callable[[str], None] = lambda reason: None,
+                   num_threads: int | None = None) -> EngineBackend:
+    """The backend ``option.rolling_batch`` names, with its limits, admission and stats listener; it loads on its
+    own thread once started. The lean engine refuses vLLM-only settings here, naming them."""
+    admission = Admission(settings.max_queue_size, settings.request_timeout)
+    if uses_vllm(settings):
+        from handler.engine.vllm.backend import VllmBackend  # imports vLLM: only when it serves
+        from handler.engine.vllm.prepare import prepare
+
+        return VllmBackend(lambda: prepare(settings, limits.max_model_len, on_parts), limits, admission, on_stats,
+                           on_ready, on_failed)
+    check_lean_settings(settings)
+    from handler.engine.lean.engine import Engine
+    from handler.engine.lean.load import load_for
+
+    return Engine(lambda: load_for(settings, limits, on_parts, num_threads), limits, admission, on_stats, on_ready,
+                  on_failed)
 
 
-def load_tokenizer(model_dir: Path):
-    """The model's own tokenizer (and chat template), from the folder only: no hub access."""
-    from transformers import AutoTokenizer
+def language_config(config: dict) -> dict:
+    """The config whose context and shape the engine serves: a vision-language model's language model's (raises
+    ``ValueError`` naming what is missing), else the config itself."""
+    if "vision_config" not in config:
+        return config
+    from handler.engine.model.vision import language_config as of_vision_model
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json (int or list) and the tokenizer."""
-    ids = set()
-    config_path = model_dir / "generation_config.json"
-    if config_path.is_file():
-        value = json.loads(config_path.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
+    return of_vision_model(config)
 
 
-def chat_template_prefix(tokenizer) -> list[int]:
-    """The tokens every chat prompt starts with (template opening, default system prompt): the common prefix of
-    two renders that differ only in the user's text. Empty when the tokenizer has no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return []
+def lean_refusal(folder: Path, max_model_len: int) -> str | None:
+    """Why the lean engine cannot serve this text model folder (from config.json and the safetensors headers: no
+    weight is read, torch is not imported), or None."""
+    from handler.engine.model.support import UnsupportedModel, check_lean_folder
+
     try:
-        first, second = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                       tokenize=False) for text in ("Hello", "Bonjour"))
-    except Exception:  # a template that needs more than one user message has no prefix worth caching
-        return []
-    a, b = tokenizer.encode(first, add_special_tokens=False), tokenizer.encode(second, add_special_tokens=False)
-    common = 0
-    while common < min(len(a), len(b)) and a[common] == b[common]:
-        common += 1
-    return a[:common]
-
-
-@dataclass(frozen=True, slots=True)
-class PromptParts:
-    """What the prompt layer needs from a load: the transformers tokenizer (chat template) and, for a
-    vision-language model, its vision encoder. The engine never reads them."""
-
-    tokenizer: object
-    vision: object | None = None      # engine.vision.VisionEncoder (lean), ImageProcessor (transformers path)
-
-
-def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
-    """What the engine runs, and what the prompt layer renders with. transformers' tokenizer (needed for the chat
-    template) takes seconds to import and load, so it loads on another thread while the weights load and quantise;
-    calibration only needs the fast tokenizer."""
-    result: dict[str, object] = {}
-    config = read_config(options.model_dir)
-    path, reason = choose_path(options, config)
-    log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
-    if path == "transformers":
-        return _load_reference(options, load_full_tokenizer, reason)
-    if needs_transformers(config):
-        _import_transformers()
-    loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
-                              name="tokenizer-load", daemon=True)
-    loader.start()
-    device = torch.device(options.device)
-    model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
-    if options.quantize:
-        stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
-        smooth_and_quantize(model, stats, SPLIT if options.int8_split is None else options.int8_split)
-        log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
-    loader.join()
-    tokenizer = result["tokenizer"]
-    if isinstance(tokenizer, BaseException):
-        raise tokenizer
-    budget, how = kv_budget(options, model)
-    runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
-    check_budget(runner.space, options.max_model_len, how)
-    if encoder is None:  # a vision model's template renders through its processor
-        runner.set_shared_prefix(chat_template_prefix(tokenizer))
-    eos_ids = eos_token_ids(options.model_dir, tokenizer)
-    grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
-    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
-                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
-                         grammar=grammar, path="lean", path_reason=reason)
-    return loaded, PromptParts(tokenizer, encoder)
-
-
-def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
-    """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
-    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
-    if vision.is_vision_model(config):
-        return _choose_vision_path(options, config)
-    if options.rolling_batch == "transformers":
-        return "transformers", "option.rolling_batch=transformers"
-    try:
-        check_lean(config, tensor_names(options.model_dir), options.max_model_len)
+        check_lean_folder(folder, max_model_len)
     except UnsupportedModel as error:
-        if options.rolling_batch == "lean":
-            raise
-        return "transformers", f"{error} (exact, slower)"
-    return "lean", "the lean engine implements this checkpoint"
-
-
-def _choose_vision_path(options: LoadOptions, config: dict) -> tuple[str, str]:
-    """A VLM: lean when ``vision`` runs its type and language model (auto, lean); any other VLM transformers knows
-    on the transformers path under auto (``option.rolling_batch=transformers`` forces it for any VLM); lean loads and
-    refuses there (``vision.text_config``'s reason). Types refused on both paths (``vision.refused_everywhere``)
-    raise here."""
-    if reason := vision.refused_everywhere(config):
-        raise UnsupportedModel(reason)
-    if options.rolling_batch == "transformers":
-        return "transformers", "option.rolling_batch=transformers (vision-language model, exact, slower)"
-    try:
-        vision.check_text_model(vision.text_config(config), options.max_model_len)
-    except (ValueError, UnsupportedModel) as error:
-        if options.rolling_batch == "lean":
-            return "lean", "option.rolling_batch=lean"  # _load_model refuses it with the reason
-        if not vision.transformers_knows(config):
-            return "lean", "transformers does not know this vision-language model"  # refused there too
-        return "transformers", f"the lean path cannot run this vision-language model: {error} (exact, slower)"
-    return "lean", "the lean engine implements this vision-language model"
-
-
-def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
-                    reason: str) -> tuple[LoadedModel, PromptParts]:
-    """The checkpoint's own transformers model behind our engine (``reference``); fp32 on CPU, never int8."""
-    if options.quantize_asked or options.int8_split is not None:
-        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean path's; the "
-                               "transformers path serves option.dtype")
-    tokenizer = load_full_tokenizer()  # one thread imports transformers here
-    is_vision = vision.is_vision_model(read_config(options.model_dir))
-    runner = ReferenceRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
-                                  vision=is_vision)
-    eos_ids = eos_token_ids(options.model_dir, tokenizer)
-    grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
-    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
-                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
-                         grammar=grammar, path="transformers", path_reason=reason)
-    # a VLM's prompts render through its processor, whose outputs (pixel values, ...) go on to the runner
-    encoder = vision.ImageProcessor.load(options.model_dir, keep_inputs=True) if is_vision else None
-    return loaded, PromptParts(tokenizer, encoder)
-
-
-def needs_transformers(config: dict) -> bool:
-    """Whether loading this model imports transformers on the loading thread (scaled RoPE tables, a VLM)."""
-    return vision.is_vision_model(config) or rope_type(config) != "default"
-
-
-def _import_transformers() -> None:
-    """Import what the loading thread will use from transformers before the tokenizer thread starts: two threads
-    importing transformers at once failed (``ImportError: cannot import name 'AutoConfig' from 'transformers'``
-    for a Llama 3.1-style checkpoint), so one thread imports it first and the other finds it imported."""
-    from transformers import CONFIG_MAPPING, AutoConfig  # noqa: F401
-    from transformers.models.llama import modeling_llama  # noqa: F401
-
-
-def _load_model(model_dir: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                max_model_len: int) -> tuple[DecoderModel, object | None]:
-    """The lean language model, and for a vision-language model its vision encoder (``engine.vision``). A text
-    model was checked by ``choose_path``; a VLM's language model is checked here, before any weight is read."""
-    if not vision.is_vision_model(config):
-        return DecoderModel(model_dir, dtype=dtype, device=device, config=config), None
-    text = vision.text_config(config)
-    vision.check_text_model(text, max_model_len)
-    model = DecoderModel(model_dir, dtype=dtype, device=device, config=text,
-                         state=vision.text_state_dict(load_state_dict(model_dir), config))
-    return model, vision.VisionEncoder.load(model_dir, dtype, device)
-
-
-def _capture(function: Callable[[], object]) -> object:
-    try:
-        return function()
-    except BaseException as error:  # re-raised on the loading thread
-        return error
-
-
-def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> list[int]:
-    """CALIBRATION_TEXT as token ids, from tokenizer.json directly when there is one."""
-    fast = model_dir / "tokenizer.json"
-    if fast.is_file():
-        return Tokenizer.from_file(str(fast)).encode(CALIBRATION_TEXT, add_special_tokens=False).ids
-    loader.join()
-    if isinstance(result["tokenizer"], BaseException):
-        raise result["tokenizer"]
-    return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)
-
-
-def kv_budget(options: LoadOptions, model: DecoderModel) -> tuple[int, str]:
-    """The KV cache's byte budget and where it comes from. The default never exceeds what ``max_running``
-    full-length sequences would take."""
-    kv = options.kv_memory
-    per_token = model.kv_bytes_per_token()
-    ceiling = options.max_running * whole_blocks(options.max_model_len) * per_token
-    amount, fraction = memory_amount(kv.amount) if kv.amount is not None else (None, None)
-    if amount is not None:
-        budget, how = amount, "option.kv_cache_memory"
-    elif options.device == "cuda":
-        import torch
-
-        utilization = kv.gpu_memory_utilization or fraction or DEFAULT_GPU_UTILIZATION
-        total = torch.cuda.get_device_properties(0).total_memory
-        budget = int(total * utilization) - torch.cuda.memory_reserved() - ACTIVATION_RESERVE
-        how = f"{utilization:g} of the GPU's {total / 2**30:.1f} GiB less the weights"
-        budget = budget if fraction or kv.gpu_memory_utilization else min(budget, ceiling)
-    else:
-        share = (fraction or DEFAULT_KV_FRACTION) / kv.workers
-        available = available_memory()
-        budget, how = int(available * share), f"{share:.2g} of the {available / 2**30:.1f} GiB available"
-        if fraction is None:
-            budget, how = min(budget, ceiling), how + f", at most {options.max_running} full-length sequences"
-    return budget, how
-
-
-def check_budget(space: KVSpace, max_model_len: int, how: str) -> None:
-    """Log the budget; a start error (one line) when it cannot hold one sequence of the context length."""
-    one = space.bytes_for(max_model_len)
-    if space.budget < one:
-        raise ConfigError(f"the KV cache budget ({space.budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
-                          f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
-                          "option.kv_cache_memory or lower option.max_model_len")
-    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
-             space.budget // space.bytes_per_token, space.bytes_per_token)
-
-
-# bytes a CUDA step's activations may need beside the KV cache
-ACTIVATION_RESERVE = 1 << 30
-
-
-def available_memory() -> int:
-    """Bytes this process may still take: the kernel's MemAvailable, or the cgroup's limit less its usage when a
-    container limit is lower (SageMaker and docker set one)."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and int(limit) < 1 << 60:
-            available = min(available, max(int(limit) - int(usage), 0))
-        break
-    return available
+        return str(error)
+    return None

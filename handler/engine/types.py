@@ -177,3 +177,12 @@ class TokenEvent:
     # the whole prompt's logprobs (one per prompt token, the first without one), on each choice's first token event
     # when the request asked for them (``GenerationRequest.prompt_logprobs``)
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptParts:
+    """What the prompt layer needs from a load: the transformers tokenizer (chat template) and, for a
+    vision-language model, its vision encoder. The engine never reads them."""
+
+    tokenizer: object
+    vision: object | None = None      # model.vision.VisionEncoder (lean), ImageProcessor (transformers path, vLLM)

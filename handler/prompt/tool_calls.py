@@ -25,7 +25,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 PYTHON_TAG = "<|python_tag|>"

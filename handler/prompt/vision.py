@@ -43,7 +43,7 @@ def image_loader(settings: Settings) -> ImageLoader:
 
 class VisionRenderer(PromptRenderer):
     """A ``PromptRenderer`` for a vision-language model: prompts go through the model's processor (its chat
-    template and image-token expansion), with or without images. ``encoder`` is ``engine.vision.VisionEncoder``
+    template and image-token expansion), with or without images. ``encoder`` is ``engine.model.vision.VisionEncoder``
     (images become embeddings here) or ``ImageProcessor`` (the decoded images go on to the backend)."""
 
     def __init__(self, tokenizer, tool_format: str, encoder, images: ImageLoader, max_images: int) -> None:

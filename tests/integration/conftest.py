@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from handler.config import DEFAULT_MODEL_DIR
-from handler.engine.engine import Engine, EngineLimits, wait_until_ready
-from handler.engine.runner import ModelRunner
+from handler.engine.backend import EngineLimits
+from handler.engine.lean.engine import Engine, wait_until_ready
+from handler.engine.runners.model_runner import ModelRunner
 from handler.prompt.renderer import PromptRenderer
 
 MAX_MODEL_LEN = 512
@@ -42,8 +43,9 @@ def make_engine(loaded, max_step_tokens: int, *, budget: int = 1 << 30, prefix_c
 def engine_on_path(folder: Path, rolling_batch: str, path: str) -> Engine:
     """A small fp32 CPU engine over ``folder``, loaded as ``option.rolling_batch`` says; asserts it took ``path``
     (``lean`` or ``transformers``). The caller stops it."""
-    from handler.engine.loader import LoadOptions, choose_path, load, load_tokenizer
-    from handler.engine.model import read_config
+    from handler.engine.core.tokenizer import load_tokenizer
+    from handler.engine.lean.load import LoadOptions, choose_path, load
+    from handler.engine.model.family import read_config
 
     options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
                           rolling_batch=rolling_batch)
@@ -62,7 +64,7 @@ def tokenizer():
     import torch
 
     torch.set_num_threads(2)
-    from handler.engine.loader import load_tokenizer
+    from handler.engine.core.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(DEFAULT_MODEL_DIR))
 
@@ -75,7 +77,7 @@ def renderer(tokenizer) -> PromptRenderer:
 @pytest.fixture(scope="module")
 def loaded(tokenizer):
     """The model, loaded once; engines take turns with it (only one of them runs at a time in these tests)."""
-    from handler.engine.loader import LoadOptions, load
+    from handler.engine.lean.load import LoadOptions, load
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, DEVICE, max_running=8, max_model_len=MAX_MODEL_LEN)
     return load(options, lambda: tokenizer)[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from handler.engine.engine import Admission
+from handler.engine.backend import Admission
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions
 from tests.integration.test_backpressure import Harness, finals, tokenizer  # noqa: F401 (tokenizer: a fixture)
 

@@ -17,10 +17,10 @@ import torch
 
 from handler import intake, metrics, server
 from handler.config import DEFAULT_MODEL_DIR, Settings
-from handler.engine import admission as admission_module
-from handler.engine.engine import Admission, Engine, EngineLimits, EngineStats, LoadedModel, wait_until_ready
-from handler.engine.runner import StepOutput, advance
-from handler.engine.scheduler import StepPlan, Unbounded
+from handler.engine.backend import Admission, EngineLimits, EngineStats
+from handler.engine.core import admission as admission_module
+from handler.engine.lean.engine import Engine, LoadedModel, wait_until_ready
+from handler.engine.runners.base import StepOutput, StepPlan, Unbounded, advance
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions
 from handler.errors import Overloaded
 from handler.prompt.renderer import PromptRenderer
@@ -89,7 +89,7 @@ class FakeClock:
 def tokenizer():
     if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("the embedded model is not assembled (make model)")
-    from handler.engine.loader import load_tokenizer
+    from handler.engine.core.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(DEFAULT_MODEL_DIR))
 

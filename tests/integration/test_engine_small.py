@@ -185,7 +185,7 @@ def test_chunked_prefill_matches_unchunked(engine, loaded, renderer) -> None:
 
 def test_a_row_whose_sampling_fails_ends_alone(engine, renderer, monkeypatch) -> None:
     """A request whose sampling raises ends with an error event; its batch neighbour finishes normally."""
-    import handler.engine.engine as engine_module
+    import handler.engine.lean.steps as engine_module
 
     real_sample = engine_module.sample
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine.linear import _cpu_flags, activation_levels, describe_cpu, full_range_is_exact
-from handler.engine.loader import load_tokenizer
-from handler.engine.model import DecoderModel, build_layout
-from handler.engine.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
+from handler.engine.core.tokenizer import load_tokenizer
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.layout import build_layout
+from handler.engine.model.linear import _cpu_flags, activation_levels, describe_cpu, full_range_is_exact
+from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from tests.integration.conftest import DEVICE
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from handler.engine.linear import Int8DynamicLinear
-from handler.engine.model import DecoderModel, build_layout
-from handler.engine.moe import SparseMoE
-from handler.engine.quantize import calibrate, smooth_and_quantize
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.layout import build_layout
+from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.moe import SparseMoE
+from handler.engine.model.quantize import calibrate, smooth_and_quantize
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
@@ -226,7 +227,8 @@ def test_a_scaled_rope_checkpoint_loads_in_a_fresh_process(tmp_path: Path) -> No
     folder = build_tiny(tmp_path / "llama3", model_type, **overrides)
     script = (
         "from pathlib import Path\n"
-        "from handler.engine.loader import LoadOptions, load, load_tokenizer\n"
+        "from handler.engine.core.tokenizer import load_tokenizer\n"
+        "from handler.engine.lean.load import LoadOptions, load\n"
         f"folder = Path({str(folder)!r})\n"
         "loaded, _ = load(LoadOptions(folder, 'float32', False, 'cpu', max_running=2, max_model_len=256),\n"
         "                 lambda: load_tokenizer(folder))\n"

@@ -1,4 +1,4 @@
-"""VLMs the lean path cannot run, served on the transformers path (``reference.ReferenceRunner`` driven as
+"""VLMs the lean path cannot run, served on the transformers path (``reference.TransformersRunner`` driven as
 ``generate`` drives the model): our engine's greedy tokens equal transformers' ``generate`` on the same inputs."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from handler.engine.loader import LoadOptions, choose_path
-from handler.engine.model import read_config
-from handler.engine.support import UnsupportedModel
+from handler.engine.lean.load import LoadOptions, choose_path
+from handler.engine.model.family import read_config
+from handler.engine.model.support import UnsupportedModel
+from handler.engine.model.vision import ImageProcessor
 from handler.engine.types import GenerationRequest, StopConditions
-from handler.engine.vision import ImageProcessor
 from tests.integration.conftest import engine_on_path
 from tests.vision_fixture import build_tiny_vlm
 

@@ -80,7 +80,7 @@ class FakeEngine:
 def renderer() -> PromptRenderer:
     if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("the embedded model is not assembled (make model)")
-    from handler.engine.loader import load_tokenizer
+    from handler.engine.core.tokenizer import load_tokenizer
 
     return PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from handler.engine.model import DecoderModel, build_layout, load_state_dict, read_config
-from handler.engine.vision import (
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.family import load_state_dict, read_config
+from handler.engine.model.layout import build_layout
+from handler.engine.model.vision import (
     SUPPORTED_VISION_TYPES,
     ImageProcessor,
     MultimodalPrompt,

@@ -1,7 +1,10 @@
-"""The import directions docs/ARCHITECTURE.md describes, checked on the source (AST, nothing imported).
+"""The import directions docs/ARCHITECTURE.md describes, checked on the source (AST, nothing imported): the layers
+of the server, the rooms inside the engine, and no import circles anywhere in the package. Every import counts,
+those inside functions and under ``TYPE_CHECKING`` too: a circle drawn only for the type checker is still a
+circle a reader has to follow.
 
 A failure names the module, what it imports and the rule: fix the import (or, when the design changed, the
-layers here and in docs/ARCHITECTURE.md together).
+layers and rooms here and in docs/ARCHITECTURE.md together).
 """
 
 from __future__ import annotations
@@ -23,16 +26,27 @@ LAYERS = [
     ("wire", ["handler.protocol", "handler.formatting"]),
     ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight"]),
     ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
-               "handler.disconnect", "handler.assemble_model", "handler.worker"]),
+               "handler.disconnect", "handler.assemble_model", "handler.worker", "handler.request_reader"]),
 ]
-# What the rest of the server may use of the engine: the request and event types and the backend interface.
-ENGINE_API = {"handler.engine.types", "handler.engine.backend"}
-# Modules that build a backend or check a checkpoint, and so reach further into the engine package.
-ENGINE_BUILDERS = {"handler.service", "handler.preflight"}
+# What the rest of the server may use of the engine: the request and event types, the backend interface, and the
+# loader (which backend serves a folder, and building it).
+ENGINE_API = {"handler.engine.types", "handler.engine.backend", "handler.engine.loader"}
 # The forced-call grammar the prompt layer writes must lay JSON out exactly as the engine's grammar compiler does.
-ENGINE_SHARED = {"handler.prompt.tool_calls": {"handler.engine.json_rules"}}
+ENGINE_SHARED = {"handler.prompt.tool_calls": {"handler.engine.core.json_rules"}}
 # Libraries the engine must not know: it talks to the server through events and a stats listener only.
 ENGINE_FORBIDDEN_LIBRARIES = {"flask", "werkzeug", "gunicorn", "prometheus_client", "pydantic"}
+
+# The engine's rooms and what each may import of the engine (besides itself). ``loader`` builds backends and may
+# import any room; ``types`` and ``backend`` are the boundary and import only ``types``.
+ENGINE = "handler.engine"
+ROOMS = {
+    "core": {"types", "backend"},
+    "model": {"types"},
+    "runners": {"types", "core", "model"},
+    "lean": {"types", "backend", "core", "runners", "model"},
+    "vllm": {"types", "backend", "core", "model.vision"},
+}
+BACKENDS = ("lean", "vllm")
 
 
 def module_name(path: Path) -> str:
@@ -41,15 +55,16 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    """Every module the file imports (``from handler import x`` counts as ``handler.x``)."""
+    """Every module the file imports (``from handler.x import y`` also counts ``handler.x.y``, which is a module
+    when ``y`` is one)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            if node.module == "handler":
-                found.update(f"handler.{alias.name}" for alias in node.names)
+            if node.module.startswith("handler"):
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -61,6 +76,8 @@ def layer_of(module: str) -> int | None:
 
 
 MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+# imports of other modules of the package (``from handler.x import name`` keeps ``handler.x`` for a plain name)
+EDGES = {m: {t for t in imports if t in MODULES and t != m} for m, imports in MODULES.items()}
 
 
 def test_every_module_has_a_layer() -> None:
@@ -77,11 +94,81 @@ def test_no_module_imports_a_layer_above_its_own(module: str) -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("handler.engine")))
 def test_outside_the_engine_only_its_interface_is_imported(module: str) -> None:
-    engine_imports = {t for t in MODULES[module] if t.startswith("handler.engine.")}
+    engine_imports = {t for t in EDGES[module] if t.startswith("handler.engine.")}
     allowed = ENGINE_API | ENGINE_SHARED.get(module, set())
-    if module in ENGINE_BUILDERS:
-        return
     assert engine_imports <= allowed, f"{module} reaches into the engine: {sorted(engine_imports - allowed)}"
+
+
+def room_of(module: str) -> str | None:
+    """``core``, ``model``, ... for a module inside a room of the engine; None for the engine's top modules."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["handler", "engine"] and parts[2] in ROOMS else None
+
+
+def test_every_engine_module_is_in_a_room_or_is_the_boundary_or_the_loader() -> None:
+    top = {f"{ENGINE}.{name}" for name in ("types", "backend", "loader")} | {ENGINE}
+    homeless = [m for m in MODULES if m.startswith(ENGINE + ".") and m not in top and room_of(m) is None
+                and m.rsplit(".", 1)[-1] not in ROOMS]
+    assert homeless == [], "put these in a room of handler/engine (and say what the room may import)"
+
+
+ENGINE_MODULES = sorted(m for m in MODULES if room_of(m) is not None)
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_a_room_imports_only_the_rooms_below_it(module: str) -> None:
+    own = room_of(module)
+    allowed = {f"{ENGINE}.{name}" for name in ROOMS[own] | {own}}
+    reached = sorted(t for t in EDGES[module] if t.startswith(ENGINE + ".")
+                     and not any(t == a or t.startswith(a + ".") for a in allowed))
+    assert reached == [], f"{module} ({own}) imports {reached}; {own} may import {sorted(ROOMS[own])}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_backends_never_import_each_other_and_the_runners_no_backend(backend: str) -> None:
+    others = [f"{ENGINE}.{b}" for b in BACKENDS if b != backend]
+    for module in (m for m in ENGINE_MODULES if room_of(m) in (backend, "runners", "model", "core")):
+        forbidden = [f"{ENGINE}.{backend}"] if room_of(module) != backend else others
+        hits = sorted(t for t in EDGES[module] if any(t == f or t.startswith(f + ".") for f in forbidden))
+        assert hits == [], f"{module} imports {hits}"
+
+
+def test_the_room_rule_fails_on_a_backend_importing_the_other() -> None:
+    """The check itself: a vLLM module importing the lean engine breaks it."""
+    module = f"{ENGINE}.vllm.backend"
+    edges = EDGES[module] | {f"{ENGINE}.lean.engine"}
+    allowed = {f"{ENGINE}.{name}" for name in ROOMS["vllm"] | {"vllm"}}
+    assert any(t.startswith(ENGINE + ".") and not any(t == a or t.startswith(a + ".") for a in allowed)
+               for t in edges)
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle found by a depth-first walk (each as the modules around it)."""
+    found, state, path = [], {}, []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_no_import_circles_in_the_package() -> None:
+    assert circles(EDGES) == []
+
+
+def test_the_circle_check_finds_one() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("handler.engine")))
@@ -100,5 +187,19 @@ def test_parsers_and_formatters_do_not_import_each_other(module: str) -> None:
 
 
 def test_the_engine_boundary_types_import_no_torch() -> None:
-    for module in ENGINE_API:
+    for module in ("handler.engine.types", "handler.engine.backend"):
         assert "torch" not in {t.split(".")[0] for t in MODULES[module]}, module
+
+
+def test_the_loader_imports_no_torch_or_vllm_until_a_backend_is_built() -> None:
+    """The server's master process asks the loader about folders (preflight) before any worker: module-level imports
+    only (those inside functions run when a backend is built)."""
+    tree = ast.parse((PACKAGE / "engine" / "loader.py").read_text())
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top.add(node.module)
+    assert not {"torch", "vllm", "transformers"} & {t.split(".")[0] for t in top}
+    assert not any(t.startswith(ENGINE + ".") and t not in ENGINE_API | {f"{ENGINE}.core.tokenizer"} for t in top)

@@ -288,7 +288,7 @@ def test_use_raw_prompt(use_raw_prompt: bool | None, templated: bool) -> None:
 
 def test_chat_best_of_generates_best_of_choices() -> None:
     from handler.config import DEFAULT_MODEL_DIR
-    from handler.engine.loader import load_tokenizer
+    from handler.engine.core.tokenizer import load_tokenizer
     from handler.prompt.renderer import PromptRenderer
 
     renderer = PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))  # chat's conversion needs the real one

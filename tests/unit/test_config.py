@@ -179,7 +179,7 @@ def test_int8_split_names_the_layers_with_14_bit_activations(env: dict[str, str]
 
 
 def test_int8_split_without_int8_is_refused() -> None:
-    from handler.service import resolve
+    from handler.engine.lean.load import resolve
 
     with pytest.raises(ConfigError, match="option.int8_split='all'.*does not use"):
         resolve(Settings(int8_split="all", quantize="none"), cuda_available=False)

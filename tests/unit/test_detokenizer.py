@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from handler.config import DEFAULT_MODEL_DIR
-from handler.engine.detokenizer import IncrementalDetokenizer
+from handler.engine.core.detokenizer import IncrementalDetokenizer
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
@@ -16,7 +16,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog."
 def hf_tokenizer():
     if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("the embedded model is not assembled (make model)")
-    from handler.engine.loader import load_tokenizer
+    from handler.engine.core.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(DEFAULT_MODEL_DIR))
 

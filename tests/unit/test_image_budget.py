@@ -21,9 +21,9 @@ from PIL import Image, ImageFile
 
 from handler import intake
 from handler.config import Settings
-from handler.engine.admission import AdmissionControl
 from handler.engine.backend import Admission
-from handler.engine.sequence import RequestState
+from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.request import RequestState
 from handler.engine.types import GenerationRequest
 from handler.errors import BadRequest, Overloaded
 from handler.images import Deadline, DecodeLimits, FetchPolicy, ImageFetchError, fetch_image_bytes, image_size

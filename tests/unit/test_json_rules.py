@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handler.engine.json_rules import INTEGER_LIMIT, NUMBER_LIMIT, apply_json_rules
+from handler.engine.core.json_rules import INTEGER_LIMIT, NUMBER_LIMIT, apply_json_rules
 
 
 def test_unbounded_integers_and_numbers_get_bounds_everywhere_in_the_schema() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine.kv_cache import PREFIX_BLOCK, KVCache, KVSpace, block_keys
+from handler.engine.model.kv_cache import KVCache
+from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
 
 LAYERS, HEADS, DIM = 2, 3, 4
 
@@ -270,7 +271,7 @@ def test_block_keys_name_the_whole_prefix() -> None:
 
 
 def test_image_features_enter_the_key_of_the_blocks_they_fall_in() -> None:
-    from handler.engine.runner import _embeds_digest
+    from handler.engine.runners.model_runner import _embeds_digest
     from handler.engine.types import PromptEmbeds
 
     positions = tuple(range(66, 76))  # inside block 4 (positions 64..79)

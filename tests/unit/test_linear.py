@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine.linear import (
+from handler.engine.model.linear import (
     Int8DynamicLinear,
     _exact_int8_linear,
     _exact_weights,

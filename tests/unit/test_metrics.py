@@ -16,7 +16,7 @@ import pytest
 from handler import metrics, request_log
 from handler.__main__ import gunicorn_options, prepare_metrics_dir
 from handler.config import Settings, load_settings
-from handler.engine.engine import EngineStats
+from handler.engine.backend import EngineStats
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
 from handler.errors import ConfigError, GatewayTimeout
 from handler.request_log import JsonFormatter, ObservedHandle, RequestRecord
@@ -236,7 +236,7 @@ WORKERS_SCRIPT = textwrap.dedent("""
     import os, sys, types
     from handler.__main__ import worker_exited
     from handler import metrics
-    from handler.engine.engine import EngineStats
+    from handler.engine.backend import EngineStats
     pids = []
     for running in (2, 3):
         pid = os.fork()

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from handler.config import Settings
-from handler.engine.vision import MultimodalPrompt
+from handler.engine.model.vision import MultimodalPrompt
 from handler.errors import BadRequest
 from handler.prompt.renderer import ImageRef
 from handler.prompt.vision import VisionRenderer, image_loader

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from handler.engine import prompt_logprobs
-from handler.engine.sequence import RequestState
+from handler.engine.core import prompt_logprobs
+from handler.engine.core.request import RequestState
 from handler.engine.types import GenerationRequest, PromptLogprob, TopLogprob
 
 
@@ -74,14 +74,14 @@ def test_a_request_collects_chunks_by_position_and_its_first_token_has_none() ->
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
     prompt_logprobs.record([(sequence, 0, logits[:2])], frozenset())   # positions 0, 1 score tokens 1, 2
     prompt_logprobs.record([(sequence, 2, logits[2:])], frozenset())   # position 2 scores token 3
-    whole = prompt_logprobs.of_request(state)
+    whole = state.prompt_logprob_entries()
     assert whole[0] == PromptLogprob(7, None)
     assert [e.token_id for e in whole] == [7, 1, 2, 3]
     assert whole[1:] == tuple(prompt_logprobs.score(logits, [1, 2, 3], 1))
     prompt_logprobs.record([(sequence, 0, logits[:2])], frozenset())   # a chunk computed again changes nothing
-    assert prompt_logprobs.of_request(state) == whole
+    assert state.prompt_logprob_entries() == whole
 
 
 def test_a_request_that_did_not_ask_gets_none() -> None:
     state = RequestState(GenerationRequest("r", prompt_ids=(1, 2)), make_sequence=lambda state, index: None)
-    assert prompt_logprobs.of_request(state) == ()
+    assert state.prompt_logprob_entries() == ()

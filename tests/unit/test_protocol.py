@@ -365,7 +365,8 @@ def test_legacy_max_new_tokens_default_from_argument() -> None:
 
 
 def test_fit_prompt_keeps_the_tail_and_room_to_generate() -> None:
-    from handler.engine.engine import Engine, EngineLimits
+    from handler.engine.backend import EngineLimits
+    from handler.engine.lean.engine import Engine
 
     engine = Engine(lambda: None, EngineLimits(max_running=4, max_model_len=100, max_step_tokens=64))
     request = GenerationRequest("r", tuple(range(500)), stop=StopConditions(max_new_tokens=10), truncate_prompt=True)

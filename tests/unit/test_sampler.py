@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from handler.engine.sampler import RowState, sample
-from handler.engine.sequence import make_generator
+from handler.engine.core.request import make_generator
+from handler.engine.core.sampler import RowState, sample
 from handler.engine.types import SamplingParams
 
 VOCAB = 16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from handler.engine.runner import advance
-from handler.engine.sampler import RowState
-from handler.engine.scheduler import _MIN_PREFILL_TOKENS, Scheduler, StepPlan
-from handler.engine.sequence import RequestState, Sequence
+from handler.engine.core.request import RequestState, Sequence
+from handler.engine.core.sampler import RowState
+from handler.engine.lean.scheduler import _MIN_PREFILL_TOKENS, Scheduler
+from handler.engine.runners.base import StepPlan, advance
 from handler.engine.types import GenerationRequest
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from handler.engine.support import (
+from handler.engine.model.support import (
     UnsupportedModel,
     check_lean,
     layer_rope_configs,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from handler.engine.json_rules import apply_json_rules
+from handler.engine.core.json_rules import apply_json_rules
 from handler.prompt.tool_calls import (
     FORMATS,
     HERMES,

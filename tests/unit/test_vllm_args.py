@@ -13,9 +13,9 @@ import pytest
 
 from handler.config import Settings, load_settings
 from handler.engine.backend import EngineLimits
-from handler.engine.json_rules import INTEGER_LIMIT, JSON_LAYOUT
+from handler.engine.core.json_rules import INTEGER_LIMIT, JSON_LAYOUT
 from handler.engine.types import GenerationRequest, GrammarSpec, PromptImages, SamplingParams, StopConditions
-from handler.engine.vllm_args import (
+from handler.engine.vllm.args import (
     CPU_MEMORY_FRACTION,
     Placement,
     check_request,

@@ -2,7 +2,7 @@
 ``GenerationRequest``, and the refusals for what vLLM (or this bridge) cannot honour.
 
 Nothing here imports vLLM or torch, so the default test suite checks the mapping without vLLM installed; the
-backend (``vllm_backend``) builds vLLM's own objects from these dicts (``AsyncEngineArgs(**kwargs)``,
+backend (``backend``, ``requests``) builds vLLM's own objects from these dicts (``AsyncEngineArgs(**kwargs)``,
 ``SamplingParams(**kwargs)``), and vLLM validates the names when it does.
 
 The meanings are the lean engine's (``types.py``), so both backends answer a request alike:
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from handler.config import Settings
 from handler.engine.backend import EngineLimits
-from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 from handler.engine.types import GenerationRequest, GrammarSpec
 from handler.errors import BadRequest, ConfigError, Unprocessable
 

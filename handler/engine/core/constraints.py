@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from handler.engine.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
 

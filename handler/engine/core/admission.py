@@ -15,11 +15,20 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from handler.engine.backend import Admission
-from handler.engine.scheduler import Scheduler
-from handler.engine.sequence import RequestState
+from handler.engine.core.request import RequestState
 from handler.errors import Overloaded
+
+
+class Queues(Protocol):
+    """Where a backend keeps its requests (the lean engine's scheduler): the waiting ones past a time are taken out,
+    the running ones are listed."""
+
+    def take_expired(self, now: float) -> list[RequestState]: ...
+
+    def running_requests(self) -> list[RequestState]: ...
 
 
 class AdmissionControl:
@@ -46,11 +55,11 @@ class AdmissionControl:
             self._pending.append(state)
             put(state)
 
-    def take_overdue(self, scheduler: Scheduler) -> list[RequestState]:
-        """The requests past their deadline: waiting ones leave the scheduler's queue, running ones still hold their
-        slots (the engine ends their sequences)."""
+    def take_overdue(self, queues: Queues) -> list[RequestState]:
+        """The requests past their deadline: waiting ones leave the queue, running ones still hold their slots (the
+        engine ends their sequences)."""
         now = time.monotonic()
-        return scheduler.take_expired(now) + [s for s in scheduler.running_requests() if s.deadline <= now]
+        return queues.take_expired(now) + [s for s in queues.running_requests() if s.deadline <= now]
 
     def timeout_error(self) -> str:
         return f"request timed out after {self._settings().timeout_s:g} s (option.request_timeout)"

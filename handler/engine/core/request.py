@@ -1,9 +1,10 @@
-"""Per-request and per-choice engine state, and the handle a caller reads events from.
+"""Per-request and per-choice state, as every backend keeps it, and the handle a caller reads events from.
 
-A ``RequestState`` is one submitted ``GenerationRequest`` with everything the engine keeps for it (its deadline,
-its compiled grammar, its event queue, whether it was cancelled); it owns ``n`` ``Sequence``s (one per choice) once
-its prompt has been prefilled. A ``Sequence`` accepts its sampled tokens itself: it advances its grammar,
-detokenises, and decides when its choice ends. A sequence is finished exactly when its ``finish_reason`` is set.
+A ``RequestState`` is one submitted ``GenerationRequest`` with everything a backend keeps for it (its deadline,
+its compiled grammar, its event queue, whether it was cancelled, its prompt's logprobs); it owns ``n``
+``Sequence``s (one per choice) once its prompt has been prefilled. A ``Sequence`` accepts its sampled tokens
+itself: it advances its grammar, detokenises, and decides when its choice ends. A sequence is finished exactly
+when its ``finish_reason`` is set.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from handler.engine import prompt_logprobs
-from handler.engine.detokenizer import IncrementalDetokenizer
-from handler.engine.kv_cache import SlotRef
-from handler.engine.sampler import RowState
+from handler.engine.core.detokenizer import IncrementalDetokenizer
+from handler.engine.core.sampler import RowState
 from handler.engine.types import (
     ErrorKind,
     FinishReason,
@@ -65,7 +64,7 @@ class Sequence:
     row: RowState
     detokenizer: IncrementalDetokenizer
     max_new_tokens: int
-    kv_slot: SlotRef | None = None   # its place in the engine's KV memory (None: not running)
+    kv_slot: object = None           # its place in the runner's KV memory (the KV space's handle; None: not running)
     num_cached: int = 0
     num_cached_prefix: int = 0       # leading tokens whose KV was copied in (prefix cache), not computed
     prefix_kv: object = None         # what to copy in: the runner's, set when the sequence is admitted
@@ -165,7 +164,7 @@ class Sequence:
         reason = self._finish_reason(token_id, is_complete, hit_stop_string)
         if reason is not None and reason is not FinishReason.STOP:
             text += self.detokenizer.flush()
-        prompt = prompt_logprobs.of_request(self.request) if len(self.output_ids) == 1 else ()  # the first event's
+        prompt = self.request.prompt_logprob_entries() if len(self.output_ids) == 1 else ()  # the first event's
         event = TokenEvent(index=self.index, token_id=token_id, text=text, logprob=logprob,
                            top_logprobs=top_logprobs, is_special=token_id in self.vocab.special_token_ids,
                            prompt_logprobs=prompt)
@@ -215,6 +214,14 @@ class RequestState:
     @property
     def is_waiting(self) -> bool:
         return not self.sequences and not self.is_expired and not self.cancelled.is_set()
+
+    def prompt_logprob_entries(self) -> tuple[PromptLogprob, ...]:
+        """What each choice's first event carries: one entry per prompt token, the first (no context) without a
+        logprob; empty when the request did not ask (``prompt_logprobs`` scores them as prefill runs)."""
+        if self.request.prompt_logprobs is None:
+            return ()
+        scored, prompt_ids = self.prompt_logprobs, self.request.prompt_ids
+        return tuple(scored.get(p) or PromptLogprob(token_id, None) for p, token_id in enumerate(prompt_ids))
 
     def new_sequence(self, index: int) -> Sequence:
         sequence = self.make_sequence(self, index)

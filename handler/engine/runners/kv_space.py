@@ -1,8 +1,5 @@
-"""KV-cache memory: dense slot tensors (``KVCache``), and the engine's budgeted space of them (``KVSpace``).
-
-A ``KVCache`` is one tensor per K and V, ``[layers, slots, kv_heads, capacity, head_dim]``; a decode step reads a
-run of its slots as one batch, which is what makes decode attention cheap on a CPU (one matmul per layer for the
-whole batch, no gather).
+"""The engine's budgeted KV memory (``KVSpace``) of dense slot caches (``model.kv_cache.KVCache``), and its prefix
+store.
 
 ``KVSpace`` keeps that property under a memory budget. Sequences live in *size classes*: class ``c`` holds slots of
 ``256 * 2**c`` positions (the last class: the context length), in fixed-size slabs (``KVCache``s of equal byte
@@ -35,118 +32,11 @@ from typing import Protocol
 
 import torch
 
-_MIN_SLOTS = 4
-_MIN_LENGTH = 256
-# Attention reads keys in whole blocks of this many positions (``model.build_layout``), so capacity is a multiple
-KEY_BLOCK = 64
+from handler.engine.model.kv_cache import MIN_SLOTS, KVCache, whole_blocks
+
 # The prefix cache's unit (a prefilled chunk after a cached prefix may start anywhere: attention is cut at KEY_BLOCKs)
 PREFIX_BLOCK = 16
 SMALLEST_CLASS = 256
-
-
-def whole_blocks(length: int) -> int:
-    """``length`` rounded up to a multiple of KEY_BLOCK (0 stays 0)."""
-    return -(-length // KEY_BLOCK) * KEY_BLOCK
-
-
-class KVCache:
-    """Dense slots, grown on demand (``ensure``) up to ``max_slots`` x ``max_len``; a decode group is ``(first_slot,
-    count)`` and a prefill slot its index."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_slots: int, max_len: int) -> None:
-        self.dims = (num_layers, num_kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
-        self.max_slots, self.max_len = max_slots, whole_blocks(max_len)
-        self.keys = self.values = self._empty(0, 0)
-
-    def _empty(self, slots: int, length: int) -> torch.Tensor:
-        layers, heads, dim = self.dims
-        return torch.zeros(layers, slots, heads, length, dim, dtype=self.dtype, device=self.device)
-
-    @property
-    def num_slots(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
-    @property
-    def bytes_per_token(self) -> int:
-        layers, heads, dim = self.dims
-        return 2 * layers * heads * dim * self.keys.element_size()
-
-    def ensure(self, num_slots: int, length: int) -> None:
-        """Make room for ``num_slots`` slots of ``length`` positions, keeping what is cached."""
-        length = whole_blocks(length)
-        if num_slots <= self.num_slots and length <= self.capacity:
-            return
-        slots = _grow(self.num_slots, num_slots, _MIN_SLOTS, self.max_slots)
-        capacity = _grow(self.capacity, length, _MIN_LENGTH, self.max_len)  # all whole blocks, so is this
-        keys, values = self._empty(slots, capacity), self._empty(slots, capacity)
-        old_slots, old_len = self.num_slots, self.capacity
-        keys[:, :old_slots, :, :old_len] = self.keys
-        values[:, :old_slots, :, :old_len] = self.values
-        self.keys, self.values = keys, values
-
-    def release(self) -> None:
-        self.keys = self.values = self._empty(0, 0)
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
-        self.copy_to(src, self, dst, length)
-
-    def copy_to(self, src: int, other: KVCache, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` of ``other`` (all layers)."""
-        other.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
-        other.values[:, dst, :, :length] = self.values[:, src, :, :length]
-
-    def load(self, slot: int, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
-        """Put precomputed KV (``[layers, kv_heads, length, head_dim]``) at ``start..`` of a slot."""
-        end = start + keys.shape[2]
-        self.keys[:, slot, :, start:end] = keys
-        self.values[:, slot, :, start:end] = values
-
-    def read(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of positions ``start..end`` of a slot, ``[layers, kv_heads, end - start, head_dim]``."""
-        return self.keys[:, slot, :, start:end].clone(), self.values[:, slot, :, start:end].clone()
-
-    # ---- what the model's attention calls ------------------------------------------------------------------
-    def write_decode(self, layer: int, group: tuple[int, int], k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor) -> None:
-        """k, v: ``[count, kv_heads, head_dim]`` for the group's slots at ``positions[i]``."""
-        first, count = group
-        slots = torch.arange(first, first + count, device=k.device)
-        self.keys[layer][slots, :, positions] = k
-        self.values[layer][slots, :, positions] = v
-
-    def decode_view(self, layer: int, group: tuple[int, int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[count, kv_heads, length, head_dim]`` of the group's slots (views, no copy)."""
-        first, count = group
-        return (self.keys[layer, first:first + count, :, :length],
-                self.values[layer, first:first + count, :, :length])
-
-    def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: ``[t, kv_heads, head_dim]`` at positions ``start..start+t-1`` of one slot."""
-        end = start + k.shape[0]
-        self.keys[layer, slot, :, start:end] = k.transpose(0, 1)
-        self.values[layer, slot, :, start:end] = v.transpose(0, 1)
-
-    def prefill_view(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[1, kv_heads, length, head_dim]`` of one slot."""
-        return self.keys[layer, slot:slot + 1, :, :length], self.values[layer, slot:slot + 1, :, :length]
-
-
-def _grow(current: int, needed: int, minimum: int, limit: int) -> int:
-    size = max(current, minimum)
-    while size < needed:
-        size *= 2
-    return max(min(size, limit), needed)
 
 
 class Occupant(Protocol):
@@ -211,7 +101,7 @@ class KVSpace:
     def bytes_for(self, length: int) -> int:
         """What one sequence of ``length`` positions takes at least: the first slab of its class."""
         c = self.classes[self.class_for(length)]
-        return min(_MIN_SLOTS, c.slab_slots) * c.capacity * self.bytes_per_token
+        return min(MIN_SLOTS, c.slab_slots) * c.capacity * self.bytes_per_token
 
     # ---- placing sequences ---------------------------------------------------------------------------------
     def fits(self, length: int) -> bool:
@@ -243,7 +133,7 @@ class KVSpace:
         starts at four slots and doubles up to a whole slab (memory follows the load; the doubling copy holds the
         old slab beside the new one, and the budget counts both); the next slabs are whole."""
         if not c.slabs:
-            slots = min(_MIN_SLOTS, c.slab_slots)
+            slots = min(MIN_SLOTS, c.slab_slots)
         elif c.slabs[-1].num_slots < c.slab_slots:
             slots = min(2 * c.slabs[-1].num_slots, c.slab_slots)
         else:

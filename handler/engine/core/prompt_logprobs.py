@@ -3,7 +3,8 @@
 A prefill chunk of a sequence that wants them (``Sequence.wants_prompt_logprobs``) asks the model for the logits of
 every row whose next token is also a prompt token: the row at position ``p`` scores the prompt token at ``p + 1``.
 The engine turns those rows into ``PromptLogprob``s (``score``) and keeps them on the request (``record``), so each
-choice's first event can carry the whole prompt's. The first prompt token has no context and no logprob.
+choice's first event can carry the whole prompt's (``RequestState.prompt_logprob_entries``). The first prompt token
+has no context and no logprob.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from handler.engine.types import PromptLogprob, TopLogprob
 
 if TYPE_CHECKING:
-    from handler.engine.sequence import RequestState, Sequence
+    from handler.engine.core.request import Sequence
 
 # What a logprob of -inf (a token the model rules out) is reported as: JSON has no infinity (vLLM's value too)
 FLOOR = -9999.0
@@ -71,13 +72,3 @@ def record(scored: Iterable[tuple[Sequence, int, torch.Tensor]], special_ids: fr
         targets = list(state.request.prompt_ids[start + 1:start + 1 + logits.shape[0]])
         entries = score(logits, targets, state.request.prompt_logprobs or 0, special_ids)
         state.prompt_logprobs.update(zip(range(start + 1, start + 1 + len(entries)), entries, strict=True))
-
-
-def of_request(state: RequestState) -> tuple[PromptLogprob, ...]:
-    """What each choice's first event carries: one entry per prompt token, the first (no context) without a
-    logprob; empty when the request did not ask."""
-    request = state.request
-    if request.prompt_logprobs is None:
-        return ()
-    scored = state.prompt_logprobs
-    return tuple(scored.get(p) or PromptLogprob(token_id, None) for p, token_id in enumerate(request.prompt_ids))

@@ -53,7 +53,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from handler.engine.checkpoint import tensor_names
+from handler.engine.model.checkpoint import tensor_names
 
 # model_type values whose checkpoints are this block, differing only in names read from the config
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "phi3", "qwen3_moe",

@@ -21,7 +21,7 @@ Supported ``model_type`` values (``SUPPORTED_VISION_TYPES``), each checked again
 The language model must be one of ``TEXT_MODEL_TYPES`` (llama, mistral, qwen2) with plain 1-D positions. The lean
 path refuses Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions, M-RoPE: 3-D position ids) and every other
 VLM (llava_next, gemma3, mllama, mistral3, paligemma, ...): under ``option.rolling_batch=auto`` ``loader.choose_path``
-serves those transformers knows on the transformers path instead (``reference.ReferenceRunner``: the checkpoint's
+serves those transformers knows on the transformers path instead (``reference.TransformersRunner``: the checkpoint's
 own image-text-to-text model, driven as ``generate`` drives it, with ``ImageProcessor`` rendering the prompts;
 llava_next proven by ``tests/integration/test_reference_vision.py``). ``smolvlm`` (SmolVLM2) and the Qwen VL
 families are refused on both paths while torchvision is missing (``refused_everywhere``): their processors build a
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from handler.engine.checkpoint import read_tensors, rename
-from handler.engine.model import read_config
-from handler.engine.support import UnsupportedModel, unsupported_features
+from handler.engine.model.checkpoint import read_tensors, rename
+from handler.engine.model.family import read_config
+from handler.engine.model.support import UnsupportedModel, unsupported_features
 from handler.engine.types import PromptEmbeds, PromptImages
 
 # the lean families a VLM's language model may be: those tested with image embeddings (test_vision.py). Not yet the

@@ -1,5 +1,5 @@
-"""The reference path: the checkpoint's own transformers model, for every architecture the lean model does not
-implement, behind the same step interface as ``runner.ModelRunner``.
+"""The transformers path: the checkpoint's own transformers model, for every architecture the lean model does not
+implement, behind the same step interface as ``model_runner.ModelRunner`` (``base.Runner``).
 
 Our engine still schedules, samples, constrains, detokenises, stops, streams and cancels; only the forward pass is
 transformers' (``AutoModelForCausalLM``, the class the checkpoint's ``architectures`` names). Each cache slot holds
@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from handler.engine import prompt_logprobs
-from handler.engine.runner import StepOutput, advance
-from handler.engine.scheduler import StepPlan, Unbounded
-from handler.engine.sequence import Sequence
+from handler.engine.core import prompt_logprobs
+from handler.engine.core.request import Sequence
+from handler.engine.runners.base import StepOutput, StepPlan, Unbounded, advance
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class _OwnCaches(Unbounded):
         self.caches.clear()
 
 
-class ReferenceRunner:
+class TransformersRunner:
     prefix_ids: tuple[int, ...] = ()  # no prefix cache: every prompt is computed whole
 
     def __init__(self, model, vision: bool = False) -> None:
@@ -74,7 +73,7 @@ class ReferenceRunner:
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
-             vision: bool = False) -> ReferenceRunner:
+             vision: bool = False) -> TransformersRunner:
         if not vision:
             from transformers import AutoModelForCausalLM
 

@@ -7,12 +7,12 @@ cheapest work first (fewest tokens left to compute, then the oldest), so a short
 or two behind a long prompt rather than its whole prefill; the oldest piece of work is served first with a quarter
 of the budget, so a stream of short requests cannot starve a long one.
 
-Memory is the KV space's (``kv_cache.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a request
-is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has no room,
-the newest running sequences are preempted (their slots freed; they wait at the front and recompute what they had
-when memory frees up), never an out-of-memory and never a lost request. While the oldest waiting work does not fit,
-nothing newer is admitted past it. Waiting requests that are cancelled or past their deadline are taken out of the
-queue here; the engine ends them.
+Memory is the KV space's (``runners.kv_space.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a
+request is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has
+no room, the newest running sequences are preempted (their slots freed; they wait at the front and recompute what
+they had when memory frees up), never an out-of-memory and never a lost request. While the oldest waiting work does
+not fit, nothing newer is admitted past it. Waiting requests that are cancelled or past their deadline are taken out
+of the queue here; the engine ends them.
 """
 
 from __future__ import annotations
@@ -20,51 +20,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from handler.engine.sequence import RequestState, Sequence
+from handler.engine.core.request import RequestState, Sequence
+from handler.engine.runners.base import StepPlan, Unbounded
 
 # A step always leaves at least this many prompt tokens for waiting requests, so a full decode batch cannot
 # starve them.
 _MIN_PREFILL_TOKENS = 32
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step: a decode row for every running sequence (in the KV space's order; a sequence still prefilling
-    holds its row's place), then prefill chunks ``(sequence, start, length)``."""
-
-    decode: list[Sequence]
-    prefill: list[tuple[Sequence, int, int]]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-
-class Unbounded:
-    """The KV space of a runner that keeps each sequence's cache itself: every sequence fits."""
-
-    def fits(self, length: int, count: int = 1) -> bool:
-        return True
-
-    def place(self, owner: Sequence, length: int) -> bool:
-        return True
-
-    def grow(self, owner: Sequence, length: int) -> bool:
-        return True
-
-    def free(self, owner: Sequence) -> None:
-        return None
-
-    def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
-        return None
-
-    def release(self) -> None:
-        return None
-
-    def sort_key(self, owner: Sequence) -> tuple[int, int]:
-        return owner.order
 
 
 class Scheduler:

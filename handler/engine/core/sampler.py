@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from handler.engine.constraints import allowed_tokens
+from handler.engine.core.constraints import allowed_tokens
 from handler.engine.types import SamplingParams
 
 _NEG_INF = torch.tensor(float("-inf"))

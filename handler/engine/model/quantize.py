@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from handler.config import INT8_SITES
-from handler.engine.linear import Int8DynamicLinear
-from handler.engine.moe import ClampedSwiGLU, GatedMLP, SparseMoE
+from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.moe import ClampedSwiGLU, GatedMLP, SparseMoE
 
 if TYPE_CHECKING:
-    from handler.engine.model import DecoderModel, Layer
+    from handler.engine.model.decoder import DecoderModel
+    from handler.engine.model.family import Layer
 
 # The Linear layers whose inputs are quantised to 14 bits instead of 7 or 8 (``Int8DynamicLinear.split``): all of
 # them by default. Measured with bench.quality (mean KL against fp32): every layer at 7 bits 0.052, at 8 bits 0.022,
@@ -96,7 +97,7 @@ def _recorded(layer: Layer) -> list[tuple[str, object, str]]:
 def calibrate(model: DecoderModel, token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
     """Per layer, ``max|x_j|`` of the inputs of qkv, out, gate_up and down (an MoE layer: of the block and of
     each expert's down, where some row reached it) over one dense forward."""
-    from handler.engine.model import build_layout
+    from handler.engine.model.layout import build_layout
 
     sites = [_recorded(layer) for layer in model.layers]  # read before the MoE blocks are wrapped
     for layer_sites in sites:

@@ -37,8 +37,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from handler.engine.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.support import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
+from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.model.support import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
 
 # the gate's activation by its transformers name (``ACT2FN``): gelu_pytorch_tanh is the gemma families'
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

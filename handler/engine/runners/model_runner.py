@@ -3,37 +3,29 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from handler.engine import prompt_logprobs
-from handler.engine.kv_cache import PREFIX_BLOCK, block_keys
-from handler.engine.model import DecoderModel, build_layout
-from handler.engine.scheduler import StepPlan
-from handler.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """``logits[i]`` belongs to ``sequences[i]``: decoding sequences, then sequences whose prompt just completed."""
-
-    sequences: list[Sequence]
-    logits: torch.Tensor  # [len(sequences), vocab] fp32
-    # prefill chunks that score their prompt: (sequence, chunk start, logits [rows, vocab] of positions start, ...)
-    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+from handler.engine.core import prompt_logprobs
+from handler.engine.core.request import Sequence
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.layout import build_layout
+from handler.engine.runners.base import StepOutput, StepPlan, advance
+from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
 
 
 class ModelRunner:
-    """The lean model over the engine's budgeted KV memory (``kv_cache.KVSpace``): the scheduler places sequences
+    """The lean model over the engine's budgeted KV memory (``kv_space.KVSpace``): the scheduler places sequences
     in ``space``; the runner fills and reads their slots, copies cached prefixes in and offers whole prefilled
     blocks to the prefix store."""
 
     def __init__(self, model: DecoderModel, max_slots: int, max_len: int, budget: int,
                  prefix_caching: bool = True) -> None:
         self.model = model
-        self.space = model.new_space(budget, max_len, max_slots, prefix_caching)
+        shape = model.shape
+        self.space = KVSpace(shape.num_layers, shape.num_kv_heads, shape.head_dim, model.dtype, model.device,
+                             budget=budget, max_len=max_len, max_slots=max_slots, prefix_caching=prefix_caching)
         self.attention_tokens = model.attention_tokens
         self.groups = model.shape.num_heads // model.shape.num_kv_heads
         self.prefix_ids: tuple[int, ...] = ()
@@ -137,17 +129,6 @@ class ModelRunner:
             keys = self.block_keys(sequence, count)[sequence.num_stored_blocks:]
             self.space.store_blocks(sequence, keys, sequence.num_stored_blocks)
             sequence.num_stored_blocks = count
-
-
-def advance(plan: StepPlan) -> None:
-    """After a step: every decoded sequence holds one more cached position, every prefill chunk its length."""
-    for sequence in plan.decode:
-        if not sequence.is_prefilling:
-            sequence.num_cached += 1
-    for sequence, _start, length in plan.prefill:
-        sequence.num_cached += length
-        if sequence.resuming and sequence.num_cached == sequence.prefill_target:
-            sequence.resuming = False  # caught up: it decodes from here
 
 
 def _chunk_embeds(sequence: Sequence, start: int, length: int, first_row: int) -> list[tuple[list[int], torch.Tensor]]:

@@ -1,0 +1,218 @@
+"""The lean engine: one background thread owns the model and runs its step loop (``steps``).
+
+Callers on any thread ``submit`` a ``GenerationRequest`` and read ``TokenEvent``s from the returned handle; they
+never touch the model or wait on a lock around it. All requests in flight share each model step (continuous
+batching): new requests join between steps, finished ones leave at once and free their cache slot.
+
+This module is the engine's intake and life: a request is checked and refused here, before it queues (an empty or
+too long prompt, more choices than slots, token ids outside the vocabulary); the thread loads the model, warms it
+up, says it is ready, and then takes queued requests between steps until it is stopped. Backpressure (the bounded
+wait queue and the per-request deadline) is ``admission.AdmissionControl``'s, driven by the engine's current
+``admission`` settings. The engine reports ``EngineStats`` to one listener after its steps (metrics); it imports
+nothing of HTTP or Prometheus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from handler.engine.backend import Admission, EngineLimits, EngineStats
+from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.constraints import GrammarCompiler
+from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
+from handler.engine.lean.steps import StepLoop
+from handler.engine.runners.base import Runner
+from handler.engine.types import GenerationRequest
+from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What the loader hands the engine thread: the runner, the tokenizer for detokenising, the EOS ids."""
+
+    runner: Runner                # our model (``ModelRunner``) or the checkpoint's (``TransformersRunner``)
+    tokenizer: object           # tokenizers.Tokenizer
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+    vocab_size: int
+    grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
+    path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
+    path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
+
+
+NO_LIMITS = Admission()
+# KV slabs are given back after this long without a running sequence: allocating (zeroing) a slab costs ~0.15 s
+# for 377 MB here, which every request after a short pause paid when they were freed at once
+KV_IDLE_RELEASE_S = 30.0
+
+
+class Engine:
+    """The lean engine backend (``backend.EngineBackend``): ``load`` runs on the engine thread and returns the model;
+    ``on_stats`` runs on the engine thread after steps and must be quick."""
+
+    def __init__(self, load: Callable[[], LoadedModel], limits: EngineLimits, admission: Admission = NO_LIMITS,
+                 on_stats: Callable[[EngineStats], None] | None = None,
+                 on_ready: Callable[[], None] = lambda: None,
+                 on_failed: Callable[[str], None] = lambda reason: None) -> None:
+        self._load = load
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self.limits = limits
+        self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
+        self._loaded: LoadedModel | None = None
+        self._loop: StepLoop | None = None      # the step loop, once the model is loaded (``steps``)
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._stop_reason: str | None = None
+        self.load_error: str | None = None
+        self.admission = admission    # replaceable while running: admission control reads it each time
+        self._admission = AdmissionControl(lambda: self.admission)
+        self._listener = on_stats
+        self._last_stats: EngineStats | None = None
+
+    # ---- caller side (any thread) -------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._thread.is_alive()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop the engine thread after its current step. With ``reason``, every request still in flight (or
+        submitted meanwhile) ends at once with an error event carrying it (``ErrorKind.STOPPED``), so each stream
+        gets its final record; without, readers learn within a second that the engine is gone."""
+        self._stop_reason = reason
+        self._stopping.set()
+        self._inbox.put(None)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ``ServingError`` for one that cannot be served."""
+        if not self.is_ready:
+            raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+        request = self.fit_prompt(request)
+        self.validate(request)
+        state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
+                             matcher=self._compile_grammar(request))
+        self._admission.enqueue(state, self._inbox.put)
+        return RequestHandle(state, self._thread.is_alive)
+
+    def _compile_grammar(self, request: GenerationRequest):
+        if request.grammar is None:
+            return None
+        if self._loaded.grammar is None:
+            raise Unprocessable("this model cannot constrain its output", param=request.grammar.param)
+        return self._loaded.grammar.compile(request.grammar)
+
+    def fit_prompt(self, request: GenerationRequest) -> GenerationRequest:
+        """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one
+        token) fit the context (Databricks' ``error_behavior: truncate``)."""
+        limit = self.limits.max_model_len
+        reserve = min(request.stop.max_new_tokens or 1, limit - 1)
+        if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
+            return request
+        if request.prompt_embeds is not None or request.prompt_images is not None:
+            raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
+                             "images", param=request.prompt_param)
+        return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
+
+    def validate(self, request: GenerationRequest) -> None:
+        num_prompt = len(request.prompt_ids)
+        if num_prompt == 0:
+            raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
+        if num_prompt >= self.limits.max_model_len:
+            raise BadRequest(f"the prompt has {num_prompt} tokens; this model's context is "
+                             f"{self.limits.max_model_len} tokens (option.max_model_len), prompt and completion "
+                             "together", param=request.prompt_param)
+        if request.n > self.limits.max_running:
+            raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the "
+                             f"{self.limits.max_running} sequences this server runs at once "
+                             "(option.max_rolling_batch_size)", param="n")
+        vocab = self._loaded.vocab_size if self._loaded else None
+        if vocab is not None and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:  # token prompts
+            raise BadRequest(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})",
+                             param=request.prompt_param)
+        for token_id, _bias in request.sampling.logit_bias:
+            if vocab is not None and not 0 <= token_id < vocab:
+                raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab - 1})",
+                                 param="logit_bias")
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._loaded = self._load()
+        except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
+            self.load_error = f"{type(error).__name__}: {error}"
+            log.exception("model load failed")
+            self._on_failed(self.load_error)
+            return
+        loaded = self._loaded
+        vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
+        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission)
+        loop.warm_up()
+        self._on_ready()
+        self._ready.set()
+        idle_since = time.monotonic()
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not loop.has_work)
+            batch_size = loop.step() if loop.has_work else 0
+            self._report(batch_size)
+            if loop.has_running:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= KV_IDLE_RELEASE_S:
+                loop.scheduler.space.release()  # the prefix store stays; it is under the budget too
+                idle_since = math.inf
+        if self._stop_reason is not None:
+            self._drain_inbox(block=False)
+            loop.end_all(self._stop_reason)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._loop.add(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _report(self, batch_size: int) -> None:
+        """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""
+        if self._listener is None:
+            return
+        stats = self._loop.stats(batch_size, self._inbox.qsize())
+        if batch_size == 0 and stats == self._last_stats:
+            return
+        self._loop.mark_reported()
+        self._last_stats = stats
+        try:
+            self._listener(stats)
+        except Exception:  # metrics must never stop the engine
+            log.exception("engine stats listener failed")
+
+
+def wait_until_ready(engine: Engine, timeout: float) -> None:
+    """Block until the engine is ready; raise ``EngineError`` naming the load failure if it is not."""
+    deadline = time.monotonic() + timeout
+    while not engine.wait_ready(0.1):
+        if engine.load_error or not engine.is_alive or time.monotonic() > deadline:
+            raise EngineError(f"model failed to load: {engine.load_error or 'timed out'}")

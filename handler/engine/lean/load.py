@@ -1,0 +1,333 @@
+"""Load a model folder into what the lean engine's thread runs: our model (int8 on CPU, calibrated here) or the
+checkpoint's transformers model, its runner and KV budget, the tokenizer and the vocabulary (``LoadedModel``), and
+what the prompt layer renders with (``core.tokenizer.PromptParts``). ``options_from`` turns settings into
+``LoadOptions``; ``load`` runs on the engine thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from handler.config import Settings, memory_amount
+from handler.engine.backend import EngineLimits
+from handler.engine.core.constraints import GrammarCompiler
+from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
+from handler.engine.lean.engine import LoadedModel
+from handler.engine.model import vision
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.family import load_state_dict, read_config
+from handler.engine.model.kv_cache import whole_blocks
+from handler.engine.model.linear import describe_cpu
+from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
+from handler.engine.runners.hf_runner import TransformersRunner
+from handler.engine.runners.kv_space import KVSpace
+from handler.engine.runners.model_runner import ModelRunner
+from handler.engine.types import PromptParts
+from handler.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """How much memory the KV cache may take (``option.kv_cache_memory``, on CUDA also
+    ``option.gpu_memory_utilization``), and whether it keeps prefixes (``option.enable_prefix_caching``)."""
+
+    amount: str | None = None          # bytes or a fraction of the available memory (``config.memory_amount``)
+    gpu_memory_utilization: float | None = None
+    workers: int = 1                   # processes sharing the machine's memory, each with its own cache
+    prefix_caching: bool = True
+
+
+# option.kv_cache_memory's default on CPU: this much of the memory available once the weights are in, shared by
+# the workers; on CUDA, vLLM's default gpu_memory_utilization
+DEFAULT_KV_FRACTION = 0.4
+DEFAULT_GPU_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    model_dir: Path
+    dtype: str                 # a key of DTYPES
+    quantize: bool             # int8 dynamic quantisation of the Linear layers (CPU)
+    device: str                # "cpu" or "cuda"
+    max_running: int
+    max_model_len: int
+    rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
+    quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
+    int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
+    kv_memory: KVMemory = KVMemory()
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    device: str
+    dtype: str
+    quantize: bool
+
+
+def resolve(settings: Settings, cuda_available: bool) -> Resolved:
+    """``auto`` device, dtype and int8 made concrete: CUDA when visible, bf16 there and fp32 on CPU, int8 on CPU in
+    fp32; combinations that cannot run are refused naming the key."""
+    device = settings.device if settings.device != "auto" else ("cuda" if cuda_available else "cpu")
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("option.device='cuda': no CUDA device is visible")
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    quantize = settings.quantize == "dynamic_int8" or (
+        settings.quantize == "auto" and device == "cpu" and dtype == "float32")
+    if quantize and (device != "cpu" or dtype != "float32"):
+        raise ConfigError("option.quantize='dynamic_int8' needs option.device=cpu and option.dtype=float32")
+    if settings.int8_split != "auto" and not quantize:
+        raise ConfigError(f"option.int8_split={settings.int8_split!r} shapes the lean engine's int8, which this "
+                          "start does not use (option.quantize=none, or not fp32 on CPU)")
+    return Resolved(device, dtype, quantize)
+
+
+def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[PromptParts, str, str], None],
+             num_threads: int | None = None) -> LoadedModel:
+    """``load`` as the settings say, on the engine thread; hands the prompt layer its parts and logs the load."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    resolved = resolve(settings, torch.cuda.is_available())
+    options = LoadOptions(settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
+                          limits.max_running, limits.max_model_len, settings.rolling_batch,
+                          settings.quantize == "dynamic_int8", int8_split=settings.int8_split_sites,
+                          kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
+                                             settings.workers, settings.enable_prefix_caching))
+    loaded, parts = load(options, lambda: load_tokenizer(settings.model_dir))
+    on_parts(parts, loaded.path, loaded.path_reason)
+    log.info("loaded %s on %s (%s%s%s), pid %d", settings.model_dir.name, resolved.device, resolved.dtype,
+             ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
+             ", vision" if parts.vision else "", os.getpid())
+    return loaded
+
+
+def chat_template_prefix(tokenizer) -> list[int]:
+    """The tokens every chat prompt starts with (template opening, default system prompt): the common prefix of
+    two renders that differ only in the user's text. Empty when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        first, second = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       tokenize=False) for text in ("Hello", "Bonjour"))
+    except Exception:  # a template that needs more than one user message has no prefix worth caching
+        return []
+    a, b = tokenizer.encode(first, add_special_tokens=False), tokenizer.encode(second, add_special_tokens=False)
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    return a[:common]
+
+
+def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
+    """What the engine runs, and what the prompt layer renders with. transformers' tokenizer (needed for the chat
+    template) takes seconds to import and load, so it loads on another thread while the weights load and quantise;
+    calibration only needs the fast tokenizer."""
+    result: dict[str, object] = {}
+    config = read_config(options.model_dir)
+    path, reason = choose_path(options, config)
+    log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
+    if path == "transformers":
+        return _load_reference(options, load_full_tokenizer, reason)
+    if needs_transformers(config):
+        _import_transformers()
+    loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
+                              name="tokenizer-load", daemon=True)
+    loader.start()
+    device = torch.device(options.device)
+    model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
+    if options.quantize:
+        stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
+        smooth_and_quantize(model, stats, SPLIT if options.int8_split is None else options.int8_split)
+        log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
+    loader.join()
+    tokenizer = result["tokenizer"]
+    if isinstance(tokenizer, BaseException):
+        raise tokenizer
+    budget, how = kv_budget(options, model)
+    runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
+    check_budget(runner.space, options.max_model_len, how)
+    if encoder is None:  # a vision model's template renders through its processor
+        runner.set_shared_prefix(chat_template_prefix(tokenizer))
+    eos_ids = eos_token_ids(options.model_dir, tokenizer)
+    grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
+                         grammar=grammar, path="lean", path_reason=reason)
+    return loaded, PromptParts(tokenizer, encoder)
+
+
+def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
+    """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
+    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
+    if vision.is_vision_model(config):
+        return _choose_vision_path(options, config)
+    if options.rolling_batch == "transformers":
+        return "transformers", "option.rolling_batch=transformers"
+    try:
+        check_lean(config, tensor_names(options.model_dir), options.max_model_len)
+    except UnsupportedModel as error:
+        if options.rolling_batch == "lean":
+            raise
+        return "transformers", f"{error} (exact, slower)"
+    return "lean", "the lean engine implements this checkpoint"
+
+
+def _choose_vision_path(options: LoadOptions, config: dict) -> tuple[str, str]:
+    """A VLM: lean when ``vision`` runs its type and language model (auto, lean); any other VLM transformers knows
+    on the transformers path under auto (``option.rolling_batch=transformers`` forces it for any VLM); lean loads and
+    refuses there (``vision.text_config``'s reason). Types refused on both paths (``vision.refused_everywhere``)
+    raise here."""
+    if reason := vision.refused_everywhere(config):
+        raise UnsupportedModel(reason)
+    if options.rolling_batch == "transformers":
+        return "transformers", "option.rolling_batch=transformers (vision-language model, exact, slower)"
+    try:
+        vision.check_text_model(vision.text_config(config), options.max_model_len)
+    except (ValueError, UnsupportedModel) as error:
+        if options.rolling_batch == "lean":
+            return "lean", "option.rolling_batch=lean"  # _load_model refuses it with the reason
+        if not vision.transformers_knows(config):
+            return "lean", "transformers does not know this vision-language model"  # refused there too
+        return "transformers", f"the lean path cannot run this vision-language model: {error} (exact, slower)"
+    return "lean", "the lean engine implements this vision-language model"
+
+
+def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
+                    reason: str) -> tuple[LoadedModel, PromptParts]:
+    """The checkpoint's own transformers model behind our engine (``runners.hf_runner``); fp32 on CPU, never int8."""
+    if options.quantize_asked or options.int8_split is not None:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean path's; the "
+                               "transformers path serves option.dtype")
+    tokenizer = load_full_tokenizer()  # one thread imports transformers here
+    is_vision = vision.is_vision_model(read_config(options.model_dir))
+    runner = TransformersRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
+                                  vision=is_vision)
+    eos_ids = eos_token_ids(options.model_dir, tokenizer)
+    grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
+                         grammar=grammar, path="transformers", path_reason=reason)
+    # a VLM's prompts render through its processor, whose outputs (pixel values, ...) go on to the runner
+    encoder = vision.ImageProcessor.load(options.model_dir, keep_inputs=True) if is_vision else None
+    return loaded, PromptParts(tokenizer, encoder)
+
+
+def needs_transformers(config: dict) -> bool:
+    """Whether loading this model imports transformers on the loading thread (scaled RoPE tables, a VLM)."""
+    return vision.is_vision_model(config) or rope_type(config) != "default"
+
+
+def _import_transformers() -> None:
+    """Import what the loading thread will use from transformers before the tokenizer thread starts: two threads
+    importing transformers at once failed (``ImportError: cannot import name 'AutoConfig' from 'transformers'``
+    for a Llama 3.1-style checkpoint), so one thread imports it first and the other finds it imported."""
+    from transformers import CONFIG_MAPPING, AutoConfig  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+
+def _load_model(model_dir: Path, config: dict, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> tuple[DecoderModel, object | None]:
+    """The lean language model, and for a vision-language model its vision encoder (``model.vision``). A text
+    model was checked by ``choose_path``; a VLM's language model is checked here, before any weight is read."""
+    if not vision.is_vision_model(config):
+        return DecoderModel(model_dir, dtype=dtype, device=device, config=config), None
+    text = vision.text_config(config)
+    vision.check_text_model(text, max_model_len)
+    model = DecoderModel(model_dir, dtype=dtype, device=device, config=text,
+                         state=vision.text_state_dict(load_state_dict(model_dir), config))
+    return model, vision.VisionEncoder.load(model_dir, dtype, device)
+
+
+def _capture(function: Callable[[], object]) -> object:
+    try:
+        return function()
+    except BaseException as error:  # re-raised on the loading thread
+        return error
+
+
+def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> list[int]:
+    """CALIBRATION_TEXT as token ids, from tokenizer.json directly when there is one."""
+    fast = model_dir / "tokenizer.json"
+    if fast.is_file():
+        return Tokenizer.from_file(str(fast)).encode(CALIBRATION_TEXT, add_special_tokens=False).ids
+    loader.join()
+    if isinstance(result["tokenizer"], BaseException):
+        raise result["tokenizer"]
+    return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)
+
+
+def kv_budget(options: LoadOptions, model: DecoderModel) -> tuple[int, str]:
+    """The KV cache's byte budget and where it comes from. The default never exceeds what ``max_running``
+    full-length sequences would take."""
+    kv = options.kv_memory
+    per_token = model.kv_bytes_per_token()
+    ceiling = options.max_running * whole_blocks(options.max_model_len) * per_token
+    amount, fraction = memory_amount(kv.amount) if kv.amount is not None else (None, None)
+    if amount is not None:
+        budget, how = amount, "option.kv_cache_memory"
+    elif options.device == "cuda":
+        import torch
+
+        utilization = kv.gpu_memory_utilization or fraction or DEFAULT_GPU_UTILIZATION
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = int(total * utilization) - torch.cuda.memory_reserved() - ACTIVATION_RESERVE
+        how = f"{utilization:g} of the GPU's {total / 2**30:.1f} GiB less the weights"
+        budget = budget if fraction or kv.gpu_memory_utilization else min(budget, ceiling)
+    else:
+        share = (fraction or DEFAULT_KV_FRACTION) / kv.workers
+        available = available_memory()
+        budget, how = int(available * share), f"{share:.2g} of the {available / 2**30:.1f} GiB available"
+        if fraction is None:
+            budget, how = min(budget, ceiling), how + f", at most {options.max_running} full-length sequences"
+    return budget, how
+
+
+def check_budget(space: KVSpace, max_model_len: int, how: str) -> None:
+    """Log the budget; a start error (one line) when it cannot hold one sequence of the context length."""
+    one = space.bytes_for(max_model_len)
+    if space.budget < one:
+        raise ConfigError(f"the KV cache budget ({space.budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
+                          f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
+                          "option.kv_cache_memory or lower option.max_model_len")
+    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
+             space.budget // space.bytes_per_token, space.bytes_per_token)
+
+
+# bytes a CUDA step's activations may need beside the KV cache
+ACTIVATION_RESERVE = 1 << 30
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: the kernel's MemAvailable, or the cgroup's limit less its usage when a
+    container limit is lower (SageMaker and docker set one)."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            available = min(available, max(int(limit) - int(usage), 0))
+        break
+    return available

@@ -1,0 +1,214 @@
+"""The lean engine's step loop: what the engine thread does with a loaded model, ``schedule -> run -> postprocess``.
+
+Each ``step`` drops cancelled requests and ends overdue ones, asks the scheduler for a plan (decode rows and prefill
+chunks under the step's token budget and the KV memory), runs the runner once, and turns the logits into tokens:
+sampled in one batch, accepted by each choice's ``Sequence`` (grammar, text, stops), emitted as events, and a
+choice's slot freed when it ends. A request with ``n > 1`` prefills its prompt once and forks its other choices from
+a copy of that cache. A failure in a step or in sampling ends the requests it touched, never the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from handler.engine.backend import EngineLimits, EngineStats
+from handler.engine.core import prompt_logprobs
+from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.request import RequestState, Sequence, Vocabulary
+from handler.engine.core.sampler import SampleResult, sample
+from handler.engine.lean.scheduler import Scheduler
+from handler.engine.runners.base import Runner, StepOutput, StepPlan
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
+
+log = logging.getLogger(__name__)
+
+
+class StepLoop:
+    """The scheduler, the runner and the sampler around the requests in flight; runs on the engine thread only."""
+
+    def __init__(self, runner: Runner, vocab: Vocabulary, limits: EngineLimits, admission: AdmissionControl) -> None:
+        self.runner, self.vocab, self.limits, self.admission = runner, vocab, limits, admission
+        self.scheduler = Scheduler(limits.max_running, limits.max_step_tokens, runner.match_prefix)
+        self.scheduler.space = runner.space
+        self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
+        self.num_sampled = 0          # tokens sampled since the last report
+        self.reported = (0, 0, 0)     # prefix-cache queries and hits, and preemptions, at the last report
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def has_running(self) -> bool:
+        return self.scheduler.has_running
+
+    def add(self, state: RequestState) -> None:
+        self.scheduler.add(state)
+
+    def new_sequence(self, state: RequestState, index: int) -> Sequence:
+        return Sequence.create(state, index, self.vocab, self.limits.max_model_len)
+
+    def warm_up(self) -> None:
+        """Two generations before /ping says ready: one shaped like a lone chat request (the shared template
+        prefix copied in, a short prefill, one decoding row), then one like the largest step (a full prefill chunk,
+        then every slot decoding).
+
+        The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
+        allocator already holds the largest working set.
+        """
+        prefix = self.runner.prefix_ids
+        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
+        shapes = [(prefix + tuple(range(1, 9)), 1), (tuple(range(1, prompt_length + 1)), self.limits.max_running)]
+        for prompt_ids, n in shapes:
+            if len(prompt_ids) + 4 > self.limits.max_model_len:
+                continue
+            request = GenerationRequest("warm-up", prompt_ids=prompt_ids, n=n,
+                                        stop=StopConditions(max_new_tokens=4, ignore_eos=True))
+            self.scheduler.add(RequestState(request, self.new_sequence))
+            while self.scheduler.has_work:
+                self.step()
+        self.num_sampled = 0  # warm-up tokens are not traffic
+        self.runner.clear_prefix_cache()
+        self.scheduler.space.release()  # traffic's KV grows from a small slab
+
+    def step(self) -> int:
+        """One engine step: schedule, run the model once, sample and emit. Returns the batch size."""
+        self._drop_cancelled()
+        self._expire_overdue()
+        plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            self._run(plan)
+        return len(plan.decode)
+
+    def _run(self, plan: StepPlan) -> None:
+        try:
+            self._postprocess(self.runner.run(plan))
+        except Exception as error:  # the batch's requests end with an error event; the engine goes on
+            log.exception("engine step failed")
+            for sequence in self.scheduler.running_sequences():
+                if sequence.finish_reason is None:
+                    self.finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
+
+    def _postprocess(self, output: StepOutput) -> None:
+        prompt_logprobs.record(output.prompt_logits, self.vocab.special_token_ids)  # before the first events
+        sequences, logits = self._fork_completed_prompts(output)
+        if not sequences:
+            return
+        # sample() adjusts logits in place; keep the originals when a row's parameters could make it fail
+        plain = all(s.row.params.is_greedy and not s.row.params.logit_bias and not s.row.params.has_penalties
+                    for s in sequences)
+        original = None if plain else logits.clone()
+        try:
+            result = sample(logits, [s.row for s in sequences])
+        except Exception:  # find the rows that fail on their own; the rest of the batch goes on
+            log.exception("batched sampling failed; sampling row by row")
+            self._sample_one_by_one(sequences, logits if original is None else original)
+            return
+        for row, sequence in enumerate(sequences):
+            self._emit(sequence, result, row)
+
+    def _sample_one_by_one(self, sequences: list[Sequence], logits) -> None:
+        for row, sequence in enumerate(sequences):
+            try:
+                result = sample(logits[row:row + 1].clone(), [sequence.row])
+            except Exception as error:
+                self.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
+                continue
+            self._emit(sequence, result, 0)
+
+    def _emit(self, sequence: Sequence, result: SampleResult, row: int) -> None:
+        if row in result.bad_rows:
+            self.finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
+        elif row in result.blocked_rows:
+            self.finish(sequence, FinishReason.ERROR, error="the output grammar allows no further token")
+        else:
+            self._append(sequence, result, row)
+
+    def _fork_completed_prompts(self, output: StepOutput) -> tuple[list[Sequence], object]:
+        """A request with n > 1 prefilled its prompt once; its other choices start from a copy of that cache."""
+        sequences, rows = [], []
+        for row, sequence in enumerate(output.sequences):
+            choices = [sequence]
+            if not sequence.output_ids and sequence.index == 0 and sequence.request.n > 1:
+                forks = [self._fork(sequence, i) for i in range(1, sequence.request.n)]
+                choices += [child for child in forks if child is not None]
+            sequences += choices
+            rows += [row] * len(choices)
+        return sequences, output.logits[rows] if len(rows) != len(output.sequences) else output.logits
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence | None:
+        """Choice ``index`` from a copy of the parent's prompt cache; None when memory made it wait (preempted: it
+        computes the prompt itself when it resumes)."""
+        child = parent.request.new_sequence(index)
+        if not self.scheduler.place_fork(child, parent):
+            return None
+        child.num_cached = parent.num_cached
+        self.scheduler.space.copy(parent, child, parent.num_cached)
+        return child
+
+    def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
+        self.num_sampled += 1
+        top = tuple(TopLogprob(t, lp) for t, lp in result.top_logprobs[row])
+        accepted = sequence.accept(result.token_ids[row], result.logprobs[row], top)
+        if accepted.finish_reason is None:
+            sequence.request.events.put(accepted.event)
+        else:
+            self.finish(sequence, accepted.finish_reason, event=accepted.event, error=accepted.error)
+
+    def finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
+               error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
+        """End a choice and free its slot: its last event carries the reason (and the error, if any) and usage."""
+        sequence.finish_reason = reason
+        self.scheduler.remove(sequence)
+        base = event or TokenEvent(index=sequence.index, token_id=None, text="")
+        sequence.request.events.put(dataclasses.replace(
+            base, finish_reason=reason, error=error, error_kind=error_kind if error else None,
+            num_prompt_tokens=sequence.num_prompt_tokens,
+            num_generated_tokens=len(sequence.output_ids)))
+
+    def _drop_cancelled(self) -> None:
+        for state in self.scheduler.take_cancelled_waiting():
+            state.finish_unstarted(FinishReason.ABORT)
+        for sequence in self.scheduler.running_sequences():
+            if sequence.request.cancelled.is_set():
+                self.finish(sequence, FinishReason.ABORT)
+
+    def _expire_overdue(self) -> None:
+        """End every request past its deadline, waiting or running (``RequestState.end_overdue``)."""
+        for state in self.admission.take_overdue(self.scheduler):
+            state.end_overdue(self.finish, self.admission.timeout_error())
+
+    def end_all(self, message: str) -> None:
+        """End every request, waiting or running, with an error event (the engine is stopping)."""
+        for state in self.scheduler.take_waiting() + self.scheduler.running_requests():
+            self._end(state, message, ErrorKind.STOPPED)
+
+    def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:
+        state.is_expired = True
+        for sequence in list(state.sequences):
+            if sequence.finish_reason is None:
+                self.finish(sequence, FinishReason.ERROR, error=message, error_kind=kind)
+        state.finish_unstarted(FinishReason.ERROR, message, kind)  # choices not forked yet, or never admitted
+
+    def stats(self, batch_size: int, num_queued: int) -> EngineStats:
+        """``num_queued``: requests submitted but not yet taken into the scheduler."""
+        runner, space = self.runner, self.scheduler.space
+        queries, hits = getattr(runner, "num_prefix_queries", 0), getattr(runner, "num_prefix_hits", 0)
+        preemptions = self.scheduler.num_preemptions
+        stats = EngineStats(
+            num_running=len(self.scheduler.running_requests()),
+            num_waiting=self.scheduler.num_waiting + num_queued,
+            batch_size=batch_size, num_sampled=self.num_sampled,
+            kv_cache_used_bytes=getattr(space, "bytes_per_token", 0) * self.scheduler.num_cached_tokens,
+            kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
+            kv_cache_budget_bytes=getattr(space, "budget", 0),
+            prefix_cache_queries=queries - self.reported[0], prefix_cache_hits=hits - self.reported[1],
+            num_preemptions=preemptions - self.reported[2])
+        return stats
+
+    def mark_reported(self) -> None:
+        """The stats so far went to the listener: the next report counts from here."""
+        self.num_sampled = 0
+        self.reported = (getattr(self.runner, "num_prefix_queries", 0), getattr(self.runner, "num_prefix_hits", 0),
+                         self.scheduler.num_preemptions)

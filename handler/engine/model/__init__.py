@@ -1,0 +1,7 @@
+"""Our own model code: the lean decoder (``decoder``: the layer loop; ``family``: what each family's checkpoint
+becomes at load; ``layout``: where a step's rows go and what they attend), its MoE and Linear layers, int8
+(``quantize``), checkpoint reading, what the lean path implements (``support``), and vision-language towers and
+processors (``vision``).
+
+May import: ``types``, ``handler.config``, ``handler.errors``. Nothing else of the engine: the model knows neither
+requests nor backends."""

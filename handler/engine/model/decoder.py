@@ -1,0 +1,193 @@
+"""A lean decoder-only transformer for Llama-family checkpoints, built for continuous batching.
+
+Why not the transformers module: its forward builds masks, caches and position tensors in Python on every call,
+and on a 2-core CPU that per-op overhead dominates a small model's decode step. Here a step is one pass over a
+flat batch of tokens: every Linear runs once on all rows (decode rows and prefill chunks together), and only
+attention is split, batched across all decode rows and per prefill chunk. The KV cache is slot-based
+(``kv_cache``), so sequences join and leave without touching the others. What each family's checkpoint becomes is
+decided at load (``family``); the layout of a step's rows and what they attend is ``layout``'s.
+
+The weights come straight from the checkpoint's safetensors; the rotary tables come from transformers' own rotary
+module so every RoPE scaling variant the config names is honoured. ``test_model_matches_transformers`` checks the
+logits against ``LlamaForCausalLM`` itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from handler.engine.model.family import (
+    FamilySpec,
+    LayerBuilder,
+    attention_tokens,
+    load_state_dict,
+    read_config,
+    shape_from_config,
+)
+from handler.engine.model.kv_cache import KVCache
+from handler.engine.model.layout import KVStore, StepLayout, with_window
+from handler.engine.model.support import with_family_defaults
+
+
+class DecoderModel:
+    """Llama-family forward over a flat batch with a slot-based KV cache.
+
+    Family differences (``support``) are settled at load (``family``), into the weights where they are linear
+    (granite's multipliers, the attention scale) or into each layer's ``split`` and the block loop, so the per-step
+    work of a family is only what its math needs: a llama step runs the same ops whatever else the engine
+    implements."""
+
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, config: dict | None = None,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+        """``config`` and ``state`` default to the folder's own; a vision-language model passes its language
+        model's config and tensors, renamed to Llama keys (``handler.engine.model.vision``)."""
+        config = with_family_defaults(read_config(model_dir) if config is None else config)
+        self.shape = shape_from_config(config)
+        self.spec = FamilySpec.from_config(config)
+        self.dtype, self.device = dtype, device
+        state = load_state_dict(model_dir) if state is None else state
+        build = LayerBuilder(self.spec, self.shape, config, dtype, device)
+        self.embed = build.embeddings(state)
+        self.layers = build.layers(state)
+        self.final_norm = build.norm(state, "model.norm.weight")
+        self.lm_head = build.lm_head(state)
+        self.cos, self.sin = build.rope(config)
+        self.attention_tokens = attention_tokens(config, self.shape)
+        self._blocks = (self._sandwich_blocks if self.spec.gemma
+                        else self._post_norm_blocks if self.spec.post_norms else self._pre_norm_blocks)
+
+    def new_cache(self, max_slots: int, max_len: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, self.device, max_slots, max_len)
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout, cache: KVStore,
+                logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]``.
+
+        ``embeds``: ``(rows [k], values [k, hidden])``, input embeddings that replace the token embeddings of
+        those rows (a vision model's image features at its image-token positions)."""
+        x = F.embedding(tokens, self.embed)  # [rows, hidden]
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
+        # [rows, 1, head_dim] (gemma: [2, rows, 1, head_dim], full-attention and sliding layers' tables)
+        cos, sin = self.cos[..., positions, :].unsqueeze(-2), self.sin[..., positions, :].unsqueeze(-2)
+        if self.spec.window is not None and layout.window != self.spec.window:
+            with_window(layout, self.spec.window, self.shape.num_heads // self.shape.num_kv_heads)
+        x = self._blocks(x, cos, sin, layout, cache)
+        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, self.shape.rms_norm_eps)
+        logits = self.lm_head(x)
+        if self.spec.final_softcap:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits.float()
+
+    def _pre_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                         cache: KVStore) -> torch.Tensor:
+        """The llama block; gpt_oss's layers add sinks to attention and alternate sliding and full attention."""
+        eps = self.shape.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache,
+                                              sliding=layer.sliding, sinks=layer.sinks))
+            x = x + layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
+        return x
+
+    def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                          cache: KVStore) -> torch.Tensor:
+        """olmo2: each sublayer reads the residual stream itself and its output is normed before the add."""
+        eps = self.shape.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            h = layer.out(self._attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
+            x = x + F.rms_norm(layer.mlp(x), (x.shape[-1],), layer.mlp_out_norm, eps)
+        return x
+
+    def _sandwich_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
+                         cache: KVStore) -> torch.Tensor:
+        """gemma2, gemma3_text: pre-norms, and norms on each sublayer's output before the residual add; a sliding
+        layer attends within the window, with its own RoPE table (``_rope``)."""
+        eps = self.shape.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            kind = int(layer.sliding)
+            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            h = layer.out(self._attention(*layer.split(layer.qkv(h), cos[kind], sin[kind]), index, layout, cache,
+                                          sliding=layer.sliding))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
+            h = layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
+            x = x + F.rms_norm(h, (x.shape[-1],), layer.mlp_out_norm, eps)
+        return x
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
+                   cache: KVStore, sliding: bool = False,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.shape
+        rows = q.shape[0]
+        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
+        decode_masks = layout.window_decode_masks if sliding else layout.decode_masks
+        prefill_masks = layout.window_prefill_masks if sliding else layout.prefill_masks
+        row = 0
+        for (group, count), mask in zip(layout.decode_groups, decode_masks, strict=True):
+            rows = slice(row, row + count)
+            cache.write_decode(layer, group, k[rows], v[rows], layout.decode_positions[rows])
+            out[rows] = self._decode_attention(q[rows], layer, group, mask, cache, sinks)
+            row += count
+        for (slot, start, length), mask in zip(layout.prefill_blocks, prefill_masks, strict=True):
+            block = slice(row, row + length)
+            cache.write_prefill(layer, slot, start, k[block], v[block])
+            out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache, sinks)
+            row += length
+        return out
+
+    def _decode_attention(self, q: torch.Tensor, layer: int, group: object, mask: torch.Tensor,
+                          cache: KVStore, sinks: torch.Tensor | None) -> torch.Tensor:
+        n, s = q.shape[0], self.shape
+        groups = s.num_heads // s.num_kv_heads
+        keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
+        # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
+        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask, self.spec.attn_softcap, sinks)
+        return out.reshape(n, s.num_heads * s.head_dim)
+
+    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,
+                           cache: KVStore, sinks: torch.Tensor | None) -> torch.Tensor:
+        t, s = q.shape[0], self.shape
+        groups = s.num_heads // s.num_kv_heads
+        keys, values = cache.prefill_view(layer, slot, length)  # [1, kv_heads, length, head_dim]
+        q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
+        if sinks is not None:  # one per query row: [kv_heads, groups * t, 1], (group, t) order
+            sinks = sinks.expand(-1, -1, t).reshape(s.num_kv_heads, groups * t, 1)
+        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.spec.attn_softcap,
+                      sinks)
+        return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T + mask) v`` (q already carries 1/sqrt(head_dim)); ``mask`` is 0 where a query may attend,
+    -inf elsewhere. With ``softcap`` (gemma2) the scores are ``tanh(q k^T) * softcap`` before the mask, q carrying
+    ``1 / softcap`` too: torch's tanh computes every element alike wherever it falls in a vector (measured: the
+    same bits alone, at any offset or in any batch), so capped rows stay independent of their neighbours. With
+    ``sinks`` (gpt_oss; one logit per query row, broadcast against ``scores[..., :1]``) each row's softmax runs
+    over its scores and its sink, whose probability is dropped: the sink takes a share of the weight, no value.
+
+    On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
+    by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
+    threads: 1 row against 3 differed by 6e-8, which int8 turned into a different logprob 12 tokens later). Here
+    no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
+    value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
+    if q.device.type != "cpu" and softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=1.0)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    if softcap is not None:
+        scores = torch.tanh(scores).mul_(softcap)
+    scores = scores.add_(mask)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    scores = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1)[..., :-1], values)
