@@ -1,4 +1,4 @@
-"""The prompt-logprob math (``engine/prompt_logprobs.py``): which prefill rows score the prompt, the scores
+"""The prompt-logprob math (``engine/core/prompt_logprobs.py``): which prefill rows score the prompt, the scores
 themselves against a hand computation, and how a request collects them across chunks."""
 
 from __future__ import annotations
