@@ -33,7 +33,7 @@ BLOCKS = quick_start_blocks()
 
 
 def native_bits() -> int:
-    from handler.engine.linear import full_range_is_exact
+    from handler.engine.model.linear import full_range_is_exact
 
     return 8 if full_range_is_exact() else 7
 
