@@ -41,6 +41,7 @@ from handler.formatting import completions as completions_format
 from handler.formatting import legacy as legacy_format
 from handler.formatting.context import ChatContext, CompletionsContext, FormatContext, LegacyContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
+from handler.protocol import tokenize
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -78,6 +79,8 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.add_url_rule("/v1/models", view_func=routes.models, methods=["GET"])
     app.add_url_rule("/v1/models/<path:model_id>", view_func=routes.model, methods=["GET"])
     app.add_url_rule("/metrics", view_func=routes.metrics, methods=["GET"])
+    app.add_url_rule("/tokenize", view_func=routes.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", view_func=routes.detokenize, methods=["POST"])
     app.register_error_handler(ServingError, routes.serving_error)
     app.register_error_handler(HTTPException, routes.http_error)
     app.register_error_handler(Exception, routes.unexpected_error)
@@ -145,6 +148,13 @@ class Routes:
             raise NotFound(f"the model '{model_id}' does not exist; this server serves '{self.service.model_name}'",
                            param="model", code="model_not_found")
         return json_response(self._model_card())
+
+    def tokenize(self) -> Response:
+        """vLLM's ``/tokenize``: the tokenizer alone, on this thread (``protocol.tokenize``)."""
+        return json_response(tokenize.tokenize(read_json(), self._renderer(), self.service.engine.limits.max_model_len))
+
+    def detokenize(self) -> Response:
+        return json_response(tokenize.detokenize(read_json(), self._renderer()))
 
     # ---- schemas ------------------------------------------------------------------------------------------
     def _chat(self, body: dict, framing: str) -> Response:

@@ -69,6 +69,21 @@ class StopConditions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # before this many tokens, EOS and stop_token_ids cannot be sampled and stop strings do not count (min_tokens)
+    min_new_tokens: int = 0
+    # the stop string, stop token or EOS that ended the choice is part of its text (vLLM's
+    # include_stop_str_in_output); otherwise the text ends before it
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How output tokens become text (vLLM's names)."""
+
+    skip_special_tokens: bool = True            # special tokens' text left out (keep_special_ids excepted)
+    # with special tokens' text kept: a space between each one and the text beside it (transformers' slow
+    # tokenizers' rule); False: the tokenizer's own decoding, which adds none
+    spaces_between_special_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +144,7 @@ class GenerationRequest:
     prompt_embeds: PromptEmbeds | None = None   # the lean engine's image features, from our vision tower
     prompt_images: PromptImages | None = None   # the images themselves, for a backend with its own tower (vLLM)
     keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
+    text: TextOptions = field(default_factory=TextOptions)
     prompt_param: str = "prompt"        # the request field the prompt came from, named by errors about it
     # time.monotonic() when the request arrived (before its prompt was rendered: image fetches included); its
     # deadline counts from here. None: from submit

@@ -81,6 +81,11 @@ class PromptRenderer:
         """A single token's own text, as TGI reports it in ``details.tokens``."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's own strings for ids (byte-level pieces such as "Ġworld" as they are), as vLLM's
+        ``/tokenize`` reports them."""
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
     def token_bytes(self, token_id: int) -> bytes:
         """A single token's exact bytes (a byte-level token may be half of a UTF-8 character)."""
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -107,7 +112,8 @@ class PromptRenderer:
             raise BadRequest("this model is not a vision model: it cannot take image content", param=images[0].param)
         return RenderedPrompt(tuple(self.render_chat(messages, tools)))
 
-    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None, *,
+                  add_generation_prompt: bool = True) -> str:
         """The chat template's text. Tools go to the template when it renders them (``tools=``); otherwise
         they are described in the system prompt, and earlier calls are written into the assistant messages, in
         the format the output is parsed in."""
@@ -120,7 +126,8 @@ class PromptRenderer:
         else:
             messages = self.with_tools(messages, tools or [])
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **extra)
         except Exception as error:  # jinja's raise_exception (e.g. "roles must alternate") and type errors
             raise BadRequest(f"the model's chat template rejected the messages: {error}", param="messages") from None
 

@@ -11,12 +11,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
+from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
 from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 from handler.protocol.common import (
+    StopAndTextFields,
     check_best_of,
     check_logit_bias,
+    check_min_tokens,
     check_stop,
     new_request_id,
     openai_sampling_params,
@@ -96,7 +98,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(StopAndTextFields):
     model_config = _STRICT
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -141,6 +143,8 @@ class ChatCompletionRequest(BaseModel):
         check_stop(self.stop)
         check_logit_bias(self.logit_bias)
         check_best_of(self.best_of, self.n, self.stream)
+        check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens,
+                         max_param="max_completion_tokens" if self.max_completion_tokens else "max_tokens")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -160,8 +164,9 @@ class ChatCompletionRequest(BaseModel):
             prompt_embeds=prompt.embeds,
             prompt_images=prompt.images,
             sampling=self.sampling_params(default_temperature),
-            stop=StopConditions(max_new_tokens=self.max_completion_tokens or self.max_tokens,
-                                stop_strings=stop_list(self.stop), ignore_eos=self.ignore_eos),
+            stop=self.stop_conditions(self.max_completion_tokens or self.max_tokens, stop_list(self.stop),
+                                      self.ignore_eos),
+            text=self.text_options(),
             n=self.best_of or self.n,
             num_top_logprobs=self.top_logprobs or 0,
             truncate_prompt=self.error_behavior == "truncate",

@@ -8,7 +8,7 @@ legacy schema, undeclared keys of ``parameters``):
 - ``ignore`` (``drop`` is an alias): the fields are dropped and named in ``Extras.ignored``; the server returns them
   in the ``extra-parameters-ignored`` response header, so nothing is dropped silently.
 - ``pass-through``: the fields go to the engine's generation parameters when the engine has one of that name
-  (``PassThrough``: the LMI / TGI names ``max_new_tokens``, ``do_sample``, ``stop_sequences``, ``stop_token_ids``);
+  (``PassThrough``: the LMI / TGI names ``max_new_tokens``, ``do_sample``, ``stop_sequences``);
   any other is a 422 naming it (the model cannot serve it).
 """
 
@@ -21,7 +21,7 @@ from typing import Annotated, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from handler.engine.types import GenerationRequest, SamplingParams
+from handler.engine.types import GenerationRequest, SamplingParams, StopConditions, TextOptions
 from handler.errors import BadRequest, Unprocessable
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -114,7 +114,6 @@ class PassThrough(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     do_sample: bool | None = None
     stop_sequences: list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -126,8 +125,7 @@ class PassThrough(BaseModel):
     def apply(self, generation: GenerationRequest) -> GenerationRequest:
         stop = dataclasses.replace(
             generation.stop, max_new_tokens=self.max_new_tokens or generation.stop.max_new_tokens,
-            stop_strings=generation.stop.stop_strings + tuple(self.stop_sequences or ()),
-            stop_token_ids=generation.stop.stop_token_ids + tuple(self.stop_token_ids or ()))
+            stop_strings=generation.stop.stop_strings + tuple(self.stop_sequences or ()))
         sampling = generation.sampling
         if self.do_sample is not None:  # HF generate: do_sample false is greedy; true samples, at 1.0 unless given
             temperature = (1.0 if sampling.is_greedy else sampling.temperature) if self.do_sample else 0.0
@@ -233,6 +231,37 @@ def check_best_of(best_of: int | None, n: int, stream: bool) -> None:
         raise BadRequest(f"best_of={best_of} is less than n={n}; it must be at least n", param="best_of")
     if stream:
         raise BadRequest("best_of cannot be used with stream: true", param="best_of")
+
+
+class StopAndTextFields(BaseModel):
+    """vLLM's fields for where a choice ends and how its tokens become text, shared by every schema (the legacy
+    schema also takes ``min_new_tokens``, HF ``generate``'s name)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None  # see TextOptions: only an explicit true adds spaces
+
+    def stop_conditions(self, max_new_tokens: int | None, stop_strings: tuple[str, ...], ignore_eos: bool,
+                        min_new_tokens: int | None = None) -> StopConditions:
+        return StopConditions(max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=ignore_eos,
+                              min_new_tokens=self.min_tokens if min_new_tokens is None else min_new_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
+
+    def text_options(self) -> TextOptions:
+        return TextOptions(skip_special_tokens=self.skip_special_tokens,
+                           spaces_between_special_tokens=bool(self.spaces_between_special_tokens))
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None, param: str = "min_tokens",
+                     max_param: str = "max_tokens") -> None:
+    """vLLM's rule: the minimum cannot be above the maximum."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise BadRequest(f"{param}={min_tokens} is more than {max_param}={max_tokens}", param=param)
 
 
 def new_request_id(prefix: str) -> str:

@@ -26,14 +26,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from handler.engine.types import GenerationRequest, StopConditions
+from handler.engine.types import GenerationRequest
 from handler.errors import BadRequest
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
+    StopAndTextFields,
     check_best_of,
     check_logit_bias,
+    check_min_tokens,
     check_stop,
     new_request_id,
     openai_sampling_params,
@@ -45,7 +47,7 @@ TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5; lm-evaluation-harness has sent 10)
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(StopAndTextFields):
     model_config = _STRICT
 
     prompt: str | TokenIds | list[TokenIds] | list[str]  # this order: a bad token id is named as one
@@ -107,16 +109,16 @@ class CompletionRequest(BaseModel):
         """One engine request per prompt, from each prompt's token ids (``intake.completion_requests`` renders
         them)."""
         sampling = openai_sampling_params(self, default_temperature)
-        stop = StopConditions(  # echo only: one token is generated (the engine always samples one) and dropped
-            max_new_tokens=1 if self.is_echo_only else self.max_tokens, stop_strings=stop_list(self.stop),
-            ignore_eos=self.ignore_eos,
-        )
+        # echo only: one token is generated (the engine always samples one) and dropped
+        stop = self.stop_conditions(1 if self.is_echo_only else self.max_tokens, stop_list(self.stop),
+                                    self.ignore_eos)
         return [
             GenerationRequest(
                 request_id=new_request_id("cmpl"),
                 prompt_ids=tuple(ids),
                 sampling=sampling,
                 stop=stop,
+                text=self.text_options(),
                 n=self.num_choices,
                 num_top_logprobs=self.logprobs or 0,
                 prompt_logprobs=self.num_prompt_logprobs,
@@ -145,6 +147,8 @@ class CompletionRequest(BaseModel):
         check_stop(self.stop)
         check_logit_bias(self.logit_bias)
         check_best_of(self.best_of, self.n, self.stream)
+        if not self.is_echo_only:
+            check_min_tokens(self.min_tokens, self.max_tokens)
 
 
 def check_token_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:

@@ -13,14 +13,14 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
+from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
-from handler.protocol.common import new_request_id, stop_list
+from handler.protocol.common import StopAndTextFields, check_min_tokens, new_request_id, stop_list
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class LegacyParameters(BaseModel):
+class LegacyParameters(StopAndTextFields):
     model_config = _STRICT
 
     max_new_tokens: int | None = Field(None, ge=1)
@@ -40,6 +40,7 @@ class LegacyParameters(BaseModel):
     decoder_input_details: bool = False           # TGI: the prompt's tokens and logprobs in details.prefill
     top_n_tokens: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
+    min_new_tokens: int | None = Field(None, ge=0)  # HF generate's name for min_tokens
     truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
 
@@ -57,6 +58,10 @@ class LegacyParameters(BaseModel):
             presence_penalty=self.presence_penalty,
             seed=self.seed,
         )
+
+    @property
+    def minimum(self) -> int:
+        return self.min_tokens if self.min_new_tokens is None else self.min_new_tokens
 
     def stop_strings(self) -> tuple[str, ...]:
         strings = stop_list(self.stop) + tuple(self.stop_sequences or ())
@@ -89,18 +94,25 @@ class LegacyRequest(BaseModel):
         if self.stream and self.parameters.decoder_input_details:  # TGI refuses it too
             raise BadRequest("decoder_input_details is not available with stream: true",
                              param="parameters.decoder_input_details")
-        self.parameters.stop_strings()
+        p = self.parameters
+        p.stop_strings()
+        if p.min_new_tokens is not None and "min_tokens" in p.model_fields_set:
+            raise BadRequest("min_new_tokens and min_tokens are the same setting; send one",
+                             param="parameters.min_new_tokens")
+        check_min_tokens(p.minimum, p.max_new_tokens, "parameters.min_new_tokens" if p.min_new_tokens is not None
+                         else "parameters.min_tokens", "parameters.max_new_tokens")
 
     def to_generation_requests(self, prompt_ids: list[list[int]],
                                default_max_new_tokens: int) -> list[GenerationRequest]:
         """One engine request per prompt, from each prompt's token ids (``intake.legacy_requests`` encodes them)."""
         p = self.parameters
-        stop = StopConditions(max_new_tokens=p.max_new_tokens or default_max_new_tokens,
-                              stop_strings=p.stop_strings(), ignore_eos=p.ignore_eos)
+        stop = p.stop_conditions(p.max_new_tokens or default_max_new_tokens, p.stop_strings(), p.ignore_eos,
+                                 min_new_tokens=p.minimum)
         sampling = p.sampling_params()
         keep = p.truncate  # TGI: only the last N tokens of the input
         return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(ids[-keep:] if keep else ids),
-                                  sampling=sampling, stop=stop, num_top_logprobs=p.top_n_tokens or 0,
+                                  sampling=sampling, stop=stop, text=p.text_options(),
+                                  num_top_logprobs=p.top_n_tokens or 0,
                                   prompt_logprobs=0 if p.decoder_input_details else None,
                                   truncate_prompt=p.error_behavior == "truncate", prompt_param="inputs")
                 for ids in prompt_ids]

@@ -344,6 +344,11 @@ if schemathesis is not None:
         """Hold a generating request to a few tokens; leave wrong types alone (they are refused anyway)."""
         if not isinstance(body, dict):
             return body
+        for where in (body, body.get("parameters")):  # a minimum holds EOS back: as bounded as the maximum
+            for key in ("min_tokens", "min_new_tokens"):
+                value = where.get(key) if isinstance(where, dict) else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > SMALL:
+                    where[key] = SMALL
         if "messages" in body:
             for key in ("max_tokens", "max_completion_tokens"):
                 if is_huge_limit(key, body.get(key)):

@@ -204,3 +204,21 @@ def test_a_row_whose_sampling_fails_ends_alone(engine, renderer, monkeypatch) ->
     assert doomed_events[-1].finish_reason is FinishReason.ERROR and "sampling failed" in doomed_events[-1].error
     assert healthy_events[-1].finish_reason is FinishReason.LENGTH
     assert sum(e.token_id is not None for e in healthy_events) == 8
+
+
+def test_min_new_tokens_equals_transformers_generate(engine, renderer) -> None:
+    """min_tokens masks EOS as transformers' MinNewTokensLengthLogitsProcessor does: the same greedy tokens, past
+    the EOS the capital answer ends with at token 8, and the EOS that ends it after the minimum."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from handler.config import DEFAULT_MODEL_DIR
+
+    prompt = chat_ids(renderer, PROMPTS[0])
+    plain = collect(engine.submit(greedy("plain", prompt, max_new_tokens=20)))[0]
+    assert plain.finish.finish_reason is FinishReason.EOS and len(plain.token_ids) == 8
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=12, do_sample=False)
+    held = collect(engine.submit(greedy("held", prompt, max_new_tokens=20, min_new_tokens=12)))[0]
+    assert held.token_ids == expected[0, len(prompt):].tolist()
+    assert len(held.token_ids) >= 12 and held.token_ids[:7] == plain.token_ids[:7]

@@ -626,11 +626,10 @@ def test_ignore_policy_still_checks_declared_fields_and_nested_objects() -> None
     [
         (
             ChatCompletionRequest,
-            {**CHAT, "max_new_tokens": 3, "do_sample": False, "stop_sequences": ["x"], "stop_token_ids": [7]},
-            PassThrough(max_new_tokens=3, do_sample=False, stop_sequences=["x"], stop_token_ids=[7]),
+            {**CHAT, "max_new_tokens": 3, "do_sample": False, "stop_sequences": ["x"]},
+            PassThrough(max_new_tokens=3, do_sample=False, stop_sequences=["x"]),
         ),
-        (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, 2]}, PassThrough(stop_token_ids=[1, 2])),
-        (LegacyRequest, {"inputs": "x", "parameters": {"stop_token_ids": [2]}}, PassThrough(stop_token_ids=[2])),
+        (CompletionRequest, {"prompt": "x", "do_sample": True}, PassThrough(do_sample=True)),
         (ChatCompletionRequest, CHAT, PassThrough()),
     ],
 )
@@ -642,9 +641,9 @@ def test_pass_through_policy_collects_engine_parameters(model: type, body: dict,
 @pytest.mark.parametrize(
     ("model", "body", "status", "param"),
     [
-        (ChatCompletionRequest, {**CHAT, "min_tokens": 2}, 422, "min_tokens"),
+        (ChatCompletionRequest, {**CHAT, "use_beam_search": True}, 422, "use_beam_search"),
         (ChatCompletionRequest, {**CHAT, "details": True}, 422, "details"),
-        (LegacyRequest, {"inputs": "x", "parameters": {"min_tokens": 2}}, 422, "parameters.min_tokens"),
+        (LegacyRequest, {"inputs": "x", "parameters": {"num_beams": 2}}, 422, "parameters.num_beams"),
         (ChatCompletionRequest, {**CHAT, "max_new_tokens": 0}, 400, "max_new_tokens"),
         (ChatCompletionRequest, {**CHAT, "stop_sequences": [""]}, 400, "stop_sequences"),
         (ChatCompletionRequest, {**CHAT, "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),
@@ -672,7 +671,7 @@ BASE = GenerationRequest(
     [
         (PassThrough(), 0.7, BASE.stop),
         (PassThrough(max_new_tokens=3), 0.7, StopConditions(3, ("a",), (3,))),
-        (PassThrough(stop_sequences=["b"], stop_token_ids=[4]), 0.7, StopConditions(16, ("a", "b"), (3, 4))),
+        (PassThrough(stop_sequences=["b"]), 0.7, StopConditions(16, ("a", "b"), (3,))),
         (PassThrough(do_sample=False), 0.0, BASE.stop),
         (PassThrough(do_sample=True), 0.7, BASE.stop),
     ],

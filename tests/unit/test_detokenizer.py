@@ -162,3 +162,63 @@ def test_multibyte_stop_string(hf_tokenizer, tokenizer) -> None:
     pieces, stopped, _ = run(tokenizer, encode(hf_tokenizer, text), ("🎉",))
     assert stopped
     assert "".join(pieces) == "Hi 😀 there "
+
+
+# ---- include_stop_str_in_output, min_tokens, special tokens ---------------------------------------------------
+
+def test_included_stop_string_ends_the_text_and_nothing_is_held_back(hf_tokenizer, tokenizer) -> None:
+    ids = encode(hf_tokenizer, SENTENCE)
+    detok = IncrementalDetokenizer(tokenizer, ("ck bro",), include_stop=True)
+    pieces = [detok.push(token_id) for token_id in ids[:3]]
+    assert pieces == [("The", False), (" quick", False), (" bro", True)]  # " brown" cut after the stop string
+
+
+@pytest.mark.parametrize("text", [SENTENCE, "Hi 😀 there, café 日本語!"])
+def test_included_stop_string_is_the_texts_end(hf_tokenizer, tokenizer, text: str) -> None:
+    ids = encode(hf_tokenizer, text)
+    for stop in _substrings(text):
+        detok = IncrementalDetokenizer(tokenizer, (stop,), include_stop=True)
+        pieces = []
+        for token_id in ids:
+            piece, stopped = detok.push(token_id)
+            pieces.append(piece)
+            if stopped:
+                break
+        assert stopped and "".join(pieces) == text[: text.find(stop) + len(stop)], stop
+
+
+def test_stops_do_not_count_before_the_minimum(hf_tokenizer, tokenizer) -> None:
+    """min_tokens: a stop string in the first tokens is text like any other; counted from the minimum on."""
+    ids = encode(hf_tokenizer, "The cat and the cat.")
+    detok = IncrementalDetokenizer(tokenizer, (" cat",))
+    early = [detok.push(token_id, stops_count=False) for token_id in ids[:2]]
+    assert early == [("The", False), (" cat", False)]
+    rest = []
+    for token_id in ids[2:]:
+        rest.append(detok.push(token_id))
+        if rest[-1][1]:
+            break
+    assert rest == [(" and", False), (" the", False), ("", True)]
+
+
+def test_kept_special_tokens_with_and_without_spaces(hf_tokenizer, tokenizer) -> None:
+    from handler.engine.types import TextOptions
+
+    ids = encode(hf_tokenizer, "Hello<|im_end|>world<|im_start|><|im_end|>")
+    special = frozenset(hf_tokenizer.all_special_ids)
+    joined = {}
+    for spaces in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, options=TextOptions(skip_special_tokens=False,
+                                                                     spaces_between_special_tokens=spaces),
+                                       special_ids=special)
+        joined[spaces] = "".join(detok.push(token_id)[0] for token_id in ids) + detok.flush()
+    assert joined[False] == hf_tokenizer.decode(ids, skip_special_tokens=False) == \
+        "Hello<|im_end|>world<|im_start|><|im_end|>"
+    assert joined[True] == "Hello <|im_end|> world <|im_start|> <|im_end|>"
+
+
+def test_a_kept_marker_shows_while_other_special_tokens_are_skipped(hf_tokenizer, tokenizer) -> None:
+    ids = encode(hf_tokenizer, "<|im_start|>Hi<|im_end|>")
+    marker = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    detok = IncrementalDetokenizer(tokenizer, keep_ids=(marker,))
+    assert "".join(detok.push(token_id)[0] for token_id in ids) == "Hi<|im_end|>"

@@ -228,3 +228,12 @@ def test_mixed_batch_each_row_follows_its_own_params() -> None:
             row(SamplingParams(logit_bias=((least, 100.0),)))]
     result = sample(logits.clone(), rows)
     assert result.token_ids == [logits[0].argmax().item(), logits[1].argmax().item(), least]
+
+
+def test_min_tokens_holds_the_ending_ids_back_until_the_output_is_long_enough() -> None:
+    logits = logits_of([0.0, 5.0, 4.0, 1.0] + [0.0] * (VOCAB - 4))  # 1 (say EOS) first, then 2 (a stop token)
+    short = RowState(SamplingParams(), [], [7], None, 0, min_new_tokens=2, ending_ids=(1, 2))
+    grown = RowState(SamplingParams(), [], [7, 8], None, 0, min_new_tokens=2, ending_ids=(1, 2))
+    result = sample(logits.repeat(2, 1), [short, grown])
+    assert result.token_ids == [3, 1]
+    assert result.bad_rows == [] and math.isfinite(result.logprobs[0])

@@ -165,13 +165,16 @@ def test_sampling_fields_keep_their_meaning() -> None:
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.2,
                               frequency_penalty=0.5, presence_penalty=-0.5, logit_bias=((5, -100.0), (7, 2.5)), seed=11)
     kwargs = sampling_kwargs(request(sampling=sampling, num_top_logprobs=3, prompt_logprobs=2,
-                                     stop=StopConditions(max_new_tokens=20, stop_token_ids=(9,))), 0, 64, {2})
+                                     stop=StopConditions(max_new_tokens=20, stop_token_ids=(9,), min_new_tokens=4)),
+                            0, 64, {2})
     assert {k: kwargs[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                    "frequency_penalty", "presence_penalty", "logit_bias", "seed", "max_tokens",
-                                   "logprobs", "prompt_logprobs", "stop_token_ids", "ignore_eos", "n")} == {
+                                   "logprobs", "prompt_logprobs", "stop_token_ids", "ignore_eos", "n",
+                                   "min_tokens")} == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2,
         "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {5: -100.0, 7: 2.5}, "seed": 11,
-        "max_tokens": 20, "logprobs": 3, "prompt_logprobs": 2, "stop_token_ids": [9, 2], "ignore_eos": False, "n": 1}
+        "max_tokens": 20, "logprobs": 3, "prompt_logprobs": 2, "stop_token_ids": [9, 2], "ignore_eos": False, "n": 1,
+        "min_tokens": 4}
     # our detokenizer releases the text (stop strings held back across tokens), so vLLM does not detokenise
     assert kwargs["detokenize"] is False and "stop" not in kwargs
 

@@ -18,4 +18,5 @@ from tests.e2e.test_metrics import (  # noqa: F401
 )
 from tests.e2e.test_prompt_logprobs import *  # noqa: F403
 from tests.e2e.test_serving import *  # noqa: F403
+from tests.e2e.test_stop_fields import *  # noqa: F403
 from tests.e2e.test_tools import *  # noqa: F403

@@ -81,9 +81,14 @@ class Sequence:
         room = max_model_len - state.num_prompt_tokens
         wanted = request.stop.max_new_tokens
         matcher = state.matcher.deep_copy() if state.matcher is not None else None
+        stop = request.stop
+        held = () if stop.min_new_tokens == 0 else tuple(sorted(
+            set(stop.stop_token_ids) | (set() if stop.ignore_eos else set(vocab.eos_token_ids))))
         row = RowState(request.sampling, list(request.prompt_ids), [], make_generator(request.sampling.seed, index),
-                       request.num_top_logprobs, matcher)
-        detokenizer = IncrementalDetokenizer(vocab.tokenizer, request.stop.stop_strings)
+                       request.num_top_logprobs, matcher, min_new_tokens=stop.min_new_tokens, ending_ids=held)
+        detokenizer = IncrementalDetokenizer(vocab.tokenizer, stop.stop_strings,
+                                             include_stop=stop.include_stop_str_in_output, options=request.text,
+                                             special_ids=vocab.special_token_ids, keep_ids=request.keep_special_ids)
         return cls(state, index, row, detokenizer, max_new_tokens=room if wanted is None else min(wanted, room),
                    vocab=vocab)
 
@@ -158,7 +163,7 @@ class Sequence:
         matcher = self.row.matcher
         if matcher is not None and not matcher.consume_token(token_id):
             return Accepted(None, FinishReason.ERROR, f"the output grammar refused token {token_id}")
-        text, hit_stop_string = self._text(token_id, is_eos)
+        text, hit_stop_string = self._text(token_id, is_eos or token_id in self.stop.stop_token_ids)
         # a grammar that is complete allows only EOS next: end the choice as if the model had sent it
         is_complete = is_eos or (matcher is not None and matcher.is_stopped())
         reason = self._finish_reason(token_id, is_complete, hit_stop_string)
@@ -170,12 +175,13 @@ class Sequence:
                            prompt_logprobs=prompt)
         return Accepted(event, reason)
 
-    def _text(self, token_id: int, is_eos: bool) -> tuple[str, bool]:
-        """The text a token releases (none for EOS), and whether a stop string completed."""
-        text, hit_stop_string = ("", False) if is_eos else self.detokenizer.push(token_id)
-        if token_id in self.request.request.keep_special_ids:  # the detokenizer drops special tokens' text
-            text += self.vocab.tokenizer.id_to_token(token_id) or ""
-        return text, hit_stop_string
+    def _text(self, token_id: int, is_ending_token: bool) -> tuple[str, bool]:
+        """The text a token releases, and whether a stop string completed. The EOS or stop token that ends the
+        choice has text only with ``include_stop_str_in_output`` (vLLM's rule); stop strings count from the
+        ``min_new_tokens``-th token on."""
+        if is_ending_token and not self.stop.include_stop_str_in_output:
+            return "", False
+        return self.detokenizer.push(token_id, stops_count=len(self.output_ids) >= self.stop.min_new_tokens)
 
     def _finish_reason(self, token_id: int, is_end: bool, hit_stop: bool) -> FinishReason | None:
         if is_end:

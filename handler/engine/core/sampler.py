@@ -29,6 +29,13 @@ class RowState:
     generator: torch.Generator | None
     num_top_logprobs: int
     matcher: object | None = None   # llguidance.LLMatcher: the grammar this row's output must follow
+    min_new_tokens: int = 0         # until the output is this long, ``ending_ids`` cannot be sampled (min_tokens)
+    ending_ids: tuple[int, ...] = ()  # the row's EOS and stop token ids
+
+    @property
+    def holds_ending(self) -> bool:
+        """Its ending tokens are masked this step: too short yet, and no grammar (a grammar decides its own end)."""
+        return bool(self.ending_ids) and len(self.output_ids) < self.min_new_tokens and self.matcher is None
 
 
 @dataclass(slots=True)
@@ -48,6 +55,9 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleResult:
     if bad_rows:
         logits[bad_rows] = 0.0  # keep the rest of the batch going; those rows are ended by the engine
     blocked_rows = _apply_grammars(logits, rows)
+    for i, row in enumerate(rows):  # after the finiteness check, as grammars' masks: -inf here is meant
+        if row.holds_ending:
+            logits[i, list(row.ending_ids)] = float("-inf")
     logits = _apply_temperature_and_truncation(logits, rows)
     log_probs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
     token_ids = _choose(logits, log_probs, rows)

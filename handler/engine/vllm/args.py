@@ -247,6 +247,7 @@ def sampling_kwargs(request: GenerationRequest, index: int, max_model_len: int,
         "logit_bias": dict(sampling.logit_bias) or None,
         "stop_token_ids": list(dict.fromkeys(stop_ids)) or None,
         "ignore_eos": request.stop.ignore_eos,
+        "min_tokens": request.stop.min_new_tokens,  # vLLM masks EOS and stop_token_ids until then, as we do
         "max_tokens": max_new_tokens(request, max_model_len),
         "logprobs": request.num_top_logprobs,
         "prompt_logprobs": request.prompt_logprobs,
