@@ -166,7 +166,7 @@ class Routes:
         plan = parsed.output_plan(renderer)
         ctx = self._context(ChatContext, generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-                            keep_best=parsed.n if parsed.best_of else None,
+                            keep_best=parsed.n if parsed.best_of and generation.beam is None else None,
                             tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
         if not parsed.stream:
             try:
@@ -213,12 +213,13 @@ class Routes:
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                             prompt_texts=echoed, return_full_text=parsed.echo,
                             is_echo_only=parsed.is_echo_only, num_prompt_logprobs=parsed.prompt_logprobs,
-                            keep_best=parsed.n if parsed.best_of else None, suffix=parsed.suffix or "")
+                            keep_best=parsed.n if parsed.best_of and generations[0].beam is None else None,
+                            suffix=parsed.suffix or "")
         if parsed.stream:
-            records = completions_format.completion_chunks(handles[0], parsed.num_choices, ctx)
+            records = completions_format.completion_chunks(handles[0], generations[0].n, ctx)
             return stream_response(records, framing, handles, chat_format.error_record)
         try:
-            return json_response(completions_format.completion(handles, parsed.num_choices, ctx))
+            return json_response(completions_format.completion(handles, generations[0].n, ctx))
         finally:
             for handle in handles:  # when one prompt failed, the others stop too
                 handle.cancel()

@@ -77,6 +77,19 @@ class StopConditions:
 
 
 @dataclass(frozen=True, slots=True)
+class BeamParams:
+    """Beam search (transformers' ``generate(num_beams=...)`` rule, ``core.beam``): ``width`` beams, the request's
+    ``n`` best hypotheses returned."""
+
+    width: int
+    length_penalty: float = 1.0         # a hypothesis scores sum(logprobs) / length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never" (transformers' meanings)
+    param: str = "best_of"              # the request field that set the width, for error messages
+    groups: int = 1                     # diverse beam search: this many groups of width / groups beams
+    diversity_penalty: float = 0.0      # what a group's candidate loses per earlier group's same token this step
+
+
+@dataclass(frozen=True, slots=True)
 class TextOptions:
     """How output tokens become text (vLLM's names)."""
 
@@ -134,7 +147,8 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopConditions = field(default_factory=StopConditions)
-    n: int = 1
+    n: int = 1                          # choices returned (with beam search: the best n of beam.width beams)
+    beam: BeamParams | None = None      # beam search instead of sampling (greedy only, not streamed)
     num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
     # the prompt's own logprobs (echo with logprobs, vLLM's prompt_logprobs, TGI's decoder_input_details): None not
     # asked; k the k most likely alternatives at each prompt position besides the prompt's token (0: that token only)

@@ -15,6 +15,7 @@ from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
 from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 from handler.protocol.common import (
+    BeamFields,
     StopAndTextFields,
     check_best_of,
     check_logit_bias,
@@ -22,6 +23,7 @@ from handler.protocol.common import (
     check_stop,
     new_request_id,
     openai_sampling_params,
+    plan_beams,
     stop_list,
 )
 from handler.protocol.structured import OutputPlan, ResponseFormat, Tool, ToolChoice, plan_output
@@ -98,7 +100,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(StopAndTextFields):
+class ChatCompletionRequest(StopAndTextFields, BeamFields):
     model_config = _STRICT
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -158,16 +160,22 @@ class ChatCompletionRequest(StopAndTextFields):
     def to_generation_request(self, prompt: RenderedPrompt, plan: OutputPlan,
                               default_temperature: float) -> GenerationRequest:
         """The engine request for the rendered prompt (``intake.chat_request`` renders it)."""
+        # beam search without a temperature is greedy, whatever the model's sampling default
+        sampling = self.sampling_params(0.0 if self.use_beam_search else default_temperature)
+        beam = plan_beams(self.beam_ask(self.best_of, self.n), sampling, self.n, stream=self.stream,
+                          stop=stop_list(self.stop), grammar=plan.grammar is not None,
+                          top_logprobs=self.top_logprobs or 0, top_param="top_logprobs")
         return GenerationRequest(
             request_id=new_request_id("chatcmpl"),
             prompt_ids=prompt.prompt_ids,
             prompt_embeds=prompt.embeds,
             prompt_images=prompt.images,
-            sampling=self.sampling_params(default_temperature),
+            sampling=sampling,
             stop=self.stop_conditions(self.max_completion_tokens or self.max_tokens, stop_list(self.stop),
                                       self.ignore_eos),
             text=self.text_options(),
-            n=self.best_of or self.n,
+            n=self.n if beam else self.best_of or self.n,
+            beam=beam,
             num_top_logprobs=self.top_logprobs or 0,
             truncate_prompt=self.error_behavior == "truncate",
             grammar=plan.grammar,

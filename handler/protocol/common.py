@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import uuid
-from typing import Annotated, Protocol, TypeVar
+from typing import Annotated, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from handler.engine.types import GenerationRequest, SamplingParams, StopConditions, TextOptions
+from handler.engine.types import BeamParams, GenerationRequest, SamplingParams, StopConditions, TextOptions
 from handler.errors import BadRequest, Unprocessable
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -262,6 +262,70 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None, param: str = "min_
     """vLLM's rule: the minimum cannot be above the maximum."""
     if max_tokens is not None and min_tokens > max_tokens:
         raise BadRequest(f"{param}={min_tokens} is more than {max_param}={max_tokens}", param=param)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamAsk:
+    """What a request says about beam search, in any schema's names (``plan_beams`` decides)."""
+
+    asked: bool                      # use_beam_search, or legacy num_beams > 1
+    width: int                       # best_of, else n (legacy: num_beams)
+    best_of: int | None
+    length_penalty: float
+    early_stopping: bool | str
+    fields_set: frozenset[str]       # the beam fields the request gave (to refuse them without beam search)
+    param: str                       # the field that asks for it, named by errors
+    diversity_penalty: float | None = None  # diverse beam search (groups: one beam each unless ``groups``)
+    groups: int | None = None        # legacy num_beam_groups
+
+
+class BeamFields(BaseModel):
+    """vLLM's beam-search fields (chat and completions); ``best_of`` with sampling off is beam search too."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] = False
+    diversity_penalty: float | None = Field(None, ge=0.0, le=100.0)  # OVMS: diverse beam search, a group a beam
+
+    def beam_ask(self, best_of: int | None, n: int) -> BeamAsk:
+        return BeamAsk(self.use_beam_search, best_of or n, best_of, self.length_penalty, self.early_stopping,
+                       frozenset(self.model_fields_set & BEAM_ONLY), "use_beam_search", self.diversity_penalty)
+
+
+BEAM_ONLY = frozenset({"length_penalty", "early_stopping", "diversity_penalty", "num_beam_groups"})
+
+
+def plan_beams(ask: BeamAsk, sampling: SamplingParams, n: int, *, stream: bool, stop: tuple[str, ...],
+               grammar: bool, top_logprobs: int, top_param: str, prefix: str = "") -> BeamParams | None:
+    """Beam search when the request asks for it, or (the OVMS reference's rule) when it gives ``best_of`` with
+    sampling off: ``best_of`` greedy candidates would all be the same answer, so it is the beam width. What beam
+    search cannot take is refused naming the field."""
+    greedy_best_of = ask.best_of is not None and ask.best_of > 1 and sampling.is_greedy
+    if not (ask.asked or greedy_best_of):
+        for name in sorted(BEAM_ONLY & ask.fields_set):
+            raise BadRequest(f"{name} applies to beam search (use_beam_search, or best_of with sampling off)",
+                             param=prefix + name)
+        return None
+    param = ask.param if ask.asked else prefix + "best_of"
+    if not sampling.is_greedy:
+        raise BadRequest("beam search ranks the most likely continuations: it takes no temperature above 0 "
+                         "(sampling)", param=prefix + ("do_sample" if prefix else "temperature"))
+    refusals = [(stream, "stream", "beam search answers once the search is done: it cannot stream"),
+                (bool(stop), prefix + "stop", "stop strings are not applied to beams; use stop_token_ids"),
+                (grammar, "response_format", "beam search does not take an output grammar (response_format, tools)"),
+                (top_logprobs > 0, top_param, "beam search reports each chosen token's logprob only"),
+                (n > ask.width, prefix + "n", f"n={n} is more than the {ask.width} beams")]
+    for refused, field, message in refusals:
+        if refused:
+            raise BadRequest(message, param=field)
+    diverse = bool(ask.diversity_penalty) or (ask.groups or 1) > 1
+    groups = (ask.groups or ask.width) if diverse else 1
+    if ask.width % groups:
+        raise BadRequest(f"{ask.width} beams do not split into {groups} groups", param=prefix + "num_beam_groups")
+    return BeamParams(ask.width, ask.length_penalty, ask.early_stopping, param=param, groups=groups,
+                      diversity_penalty=ask.diversity_penalty or 0.0)
 
 
 def new_request_id(prefix: str) -> str:

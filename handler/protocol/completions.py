@@ -32,6 +32,7 @@ from handler.engine.types import GenerationRequest
 from handler.errors import BadRequest
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
+    BeamFields,
     StopAndTextFields,
     check_best_of,
     check_logit_bias,
@@ -39,6 +40,7 @@ from handler.protocol.common import (
     check_stop,
     new_request_id,
     openai_sampling_params,
+    plan_beams,
     stop_list,
 )
 
@@ -47,7 +49,7 @@ TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5; lm-evaluation-harness has sent 10)
 
 
-class CompletionRequest(StopAndTextFields):
+class CompletionRequest(StopAndTextFields, BeamFields):
     model_config = _STRICT
 
     prompt: str | TokenIds | list[TokenIds] | list[str]  # this order: a bad token id is named as one
@@ -108,7 +110,11 @@ class CompletionRequest(StopAndTextFields):
                                default_temperature: float) -> list[GenerationRequest]:
         """One engine request per prompt, from each prompt's token ids (``intake.completion_requests`` renders
         them)."""
-        sampling = openai_sampling_params(self, default_temperature)
+        # beam search without a temperature is greedy, whatever the model's sampling default
+        sampling = openai_sampling_params(self, 0.0 if self.use_beam_search else default_temperature)
+        beam = plan_beams(self.beam_ask(self.best_of, self.n), sampling, self.n, stream=self.stream,
+                          stop=stop_list(self.stop), grammar=False, top_logprobs=self.logprobs or 0,
+                          top_param="logprobs")
         # echo only: one token is generated (the engine always samples one) and dropped
         stop = self.stop_conditions(1 if self.is_echo_only else self.max_tokens, stop_list(self.stop),
                                     self.ignore_eos)
@@ -119,7 +125,8 @@ class CompletionRequest(StopAndTextFields):
                 sampling=sampling,
                 stop=stop,
                 text=self.text_options(),
-                n=self.num_choices,
+                n=self.n if beam else self.num_choices,
+                beam=beam,
                 num_top_logprobs=self.logprobs or 0,
                 prompt_logprobs=self.num_prompt_logprobs,
                 truncate_prompt=self.error_behavior == "truncate",

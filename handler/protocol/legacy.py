@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
-from handler.protocol.common import StopAndTextFields, check_min_tokens, new_request_id, stop_list
+from handler.protocol.common import (
+    BEAM_ONLY,
+    BeamAsk,
+    StopAndTextFields,
+    check_min_tokens,
+    new_request_id,
+    plan_beams,
+    stop_list,
+)
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -41,6 +49,11 @@ class LegacyParameters(StopAndTextFields):
     top_n_tokens: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
     min_new_tokens: int | None = Field(None, ge=0)  # HF generate's name for min_tokens
+    num_beams: int | None = Field(None, ge=1, le=128)   # HF generate: beam search (greedy), the best beam returned
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] = False
+    diversity_penalty: float | None = Field(None, ge=0.0, le=100.0)  # HF generate: diverse beam search
+    num_beam_groups: int | None = Field(None, ge=1, le=128)
     truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
 
@@ -109,9 +122,14 @@ class LegacyRequest(BaseModel):
         stop = p.stop_conditions(p.max_new_tokens or default_max_new_tokens, p.stop_strings(), p.ignore_eos,
                                  min_new_tokens=p.minimum)
         sampling = p.sampling_params()
+        ask = BeamAsk((p.num_beams or 1) > 1, p.num_beams or 1, None, p.length_penalty, p.early_stopping,
+                      frozenset(p.model_fields_set & BEAM_ONLY), "parameters.num_beams", p.diversity_penalty,
+                      p.num_beam_groups)
+        beam = plan_beams(ask, sampling, 1, stream=self.stream, stop=stop.stop_strings, grammar=False,
+                          top_logprobs=p.top_n_tokens or 0, top_param="parameters.top_n_tokens", prefix="parameters.")
         keep = p.truncate  # TGI: only the last N tokens of the input
         return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(ids[-keep:] if keep else ids),
-                                  sampling=sampling, stop=stop, text=p.text_options(),
+                                  sampling=sampling, stop=stop, text=p.text_options(), beam=beam,
                                   num_top_logprobs=p.top_n_tokens or 0,
                                   prompt_logprobs=0 if p.decoder_input_details else None,
                                   truncate_prompt=p.error_behavior == "truncate", prompt_param="inputs")

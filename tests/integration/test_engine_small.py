@@ -222,3 +222,45 @@ def test_min_new_tokens_equals_transformers_generate(engine, renderer) -> None:
     held = collect(engine.submit(greedy("held", prompt, max_new_tokens=20, min_new_tokens=12)))[0]
     assert held.token_ids == expected[0, len(prompt):].tolist()
     assert len(held.token_ids) >= 12 and held.token_ids[:7] == plain.token_ids[:7]
+
+
+def _hf_beams(prompt: tuple[int, ...], width: int, n: int, max_new_tokens: int, **options) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from handler.config import DEFAULT_MODEL_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n, do_sample=False,
+                         max_new_tokens=max_new_tokens, **options)
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    rows = []
+    for row in out[:, len(prompt):].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+@pytest.mark.parametrize(("width", "n", "options"), [
+    (4, 2, {}),
+    (3, 3, {"length_penalty": 0.0, "early_stopping": True}),
+])
+def test_beam_search_equals_transformers_generate(engine, renderer, width: int, n: int, options: dict) -> None:
+    """Beams share the prompt's prefill, fork on divergence, and batch beside other requests: the same n best
+    hypotheses as transformers' generate(num_beams=...), alone and with greedy neighbours in the step."""
+    from handler.engine.types import BeamParams
+
+    prompt = chat_ids(renderer, PROMPTS[1])
+    beam = BeamParams(width, options.get("length_penalty", 1.0), options.get("early_stopping", False))
+    request = GenerationRequest("beams", prompt, stop=StopConditions(max_new_tokens=24), n=n, beam=beam)
+    expected = _hf_beams(prompt, width, n, 24, **options)
+    alone = collect(engine.submit(request))
+    assert [alone[i].token_ids for i in range(n)] == expected
+    assert all(alone[i].finish.num_generated_tokens == len(expected[i]) for i in range(n))
+    neighbours = [engine.submit(greedy(f"g{i}", chat_ids(renderer, p), max_new_tokens=30))
+                  for i, p in enumerate(PROMPTS[2:5])]
+    together = collect(engine.submit(request))
+    assert [together[i].token_ids for i in range(n)] == expected
+    assert all(collect(h)[0].finish is not None for h in neighbours)
+    assert len({tuple(t) for t in expected}) == n  # distinct beams: the forks really diverged

@@ -108,3 +108,32 @@ def test_a_prefix_cache_hit_gives_the_logits_of_a_miss(loaded, renderer) -> None
 
 def chat_ids_with_system(renderer, system: str, user: str) -> tuple[int, ...]:
     return tuple(renderer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}]))
+
+
+def test_beams_keep_their_slots_while_growing_sequences_take_turns(loaded, renderer) -> None:
+    """Beam requests beside sequences that outgrow memory: the beams (placed whole, never preempted) give the
+    answers they give alone, the greedy sequences are preempted and resume to their own, and the budget holds."""
+    from handler.engine.types import BeamParams
+
+    beams = [GenerationRequest(f"b{i}", chat_ids(renderer, question), stop=StopConditions(max_new_tokens=24), n=2,
+                               beam=BeamParams(3)) for i, question in enumerate(("Name a fruit.", "Name a river."))]
+    growing = [request(f"r{i}", chat_ids(renderer, f"Tell a long story about a {animal}."), 240)
+               for i, animal in enumerate(("cat", "dog", "fox"))]
+    engine = make_engine(loaded, max_step_tokens=512)
+    try:
+        alone = [collect(engine.submit(r)) for r in beams]
+    finally:
+        engine.stop()
+    stats: list[EngineStats] = []
+    engine = make_engine(loaded, max_step_tokens=512, budget=1100 * PER_TOKEN, on_stats=stats.append)
+    try:
+        handles = [engine.submit(r) for r in growing[:2]] + [engine.submit(r) for r in beams] + [
+            engine.submit(growing[2])]
+        results = [collect(h) for h in handles]
+    finally:
+        engine.stop()
+    assert sum(s.num_preemptions for s in stats) > 0
+    assert max(s.kv_cache_allocated_bytes for s in stats) <= 1100 * PER_TOKEN
+    for got, want in zip(results[2:4], alone, strict=True):
+        assert [got[i].token_ids for i in range(2)] == [want[i].token_ids for i in range(2)]
+    assert all(len(r[0].token_ids) == 240 for r in results[:2] + results[4:])

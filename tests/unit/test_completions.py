@@ -292,10 +292,14 @@ def test_chat_best_of_generates_best_of_choices() -> None:
     from handler.prompt.renderer import PromptRenderer
 
     renderer = PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))  # chat's conversion needs the real one
-    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0.7}
     assert intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0).n == 2
     body["best_of"] = 4
-    assert intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0).n == 4
+    sampled = intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0)
+    assert (sampled.n, sampled.beam) == (4, None)  # sampling on: best_of candidates, the n best kept
+    del body["temperature"]  # sampling off (the model's default here): best_of is the beam width
+    beams = intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0)
+    assert (beams.n, beams.beam.width, beams.beam.param) == (2, 4, "best_of")
 
 
 @pytest.mark.parametrize(("fields", "param"), [({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 0}, "best_of")])
@@ -641,9 +645,9 @@ def test_pass_through_policy_collects_engine_parameters(model: type, body: dict,
 @pytest.mark.parametrize(
     ("model", "body", "status", "param"),
     [
-        (ChatCompletionRequest, {**CHAT, "use_beam_search": True}, 422, "use_beam_search"),
+        (ChatCompletionRequest, {**CHAT, "logits_processors": []}, 422, "logits_processors"),
         (ChatCompletionRequest, {**CHAT, "details": True}, 422, "details"),
-        (LegacyRequest, {"inputs": "x", "parameters": {"num_beams": 2}}, 422, "parameters.num_beams"),
+        (LegacyRequest, {"inputs": "x", "parameters": {"guidance_scale": 2}}, 422, "parameters.guidance_scale"),
         (ChatCompletionRequest, {**CHAT, "max_new_tokens": 0}, 400, "max_new_tokens"),
         (ChatCompletionRequest, {**CHAT, "stop_sequences": [""]}, 400, "stop_sequences"),
         (ChatCompletionRequest, {**CHAT, "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),

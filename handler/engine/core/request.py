@@ -142,6 +142,16 @@ class Sequence:
         return self.num_prompt_tokens + len(self.row.output_ids)
 
     @property
+    def is_beam(self) -> bool:
+        return self.request.request.beam is not None
+
+    @property
+    def reserve(self) -> int:
+        """Positions its slot takes when placed: what it prefills and the next; a beam, all it can ever hold (a
+        beam never grows, so it is never preempted and every beam of a request steps together)."""
+        return self.num_prompt_tokens + self.max_new_tokens if self.is_beam else self.prefill_target + 1
+
+    @property
     def next_token(self) -> int:
         """The token whose KV the next decode step computes (a placeholder while prefilling)."""
         return self.output_ids[-1] if not self.is_prefilling else self.token_at(self.num_cached)
@@ -208,10 +218,18 @@ class RequestState:
     is_expired: bool = False
     prompt_logprobs: dict[int, PromptLogprob] = field(default_factory=dict)  # by prompt position, as prefill scores
     order: int = 0                     # the scheduler's arrival number
+    beams: object | None = None        # core.beam.BeamSearch, once a beam request's beams have forked
+    choices_ended: bool = False        # a beam request sent its choices' final events (its beams are no choices)
 
     @property
     def n(self) -> int:
+        """The choices the caller gets."""
         return self.request.n
+
+    @property
+    def num_sequences(self) -> int:
+        """The sequences the request runs: its choices, or its beams."""
+        return self.request.beam.width if self.request.beam is not None else self.request.n
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -253,7 +271,9 @@ class RequestState:
     def finish_unstarted(self, reason: FinishReason, error: str | None = None,
                          error_kind: ErrorKind | None = None) -> None:
         """End the choices that have no sequence yet (the request never got a slot, or was not forked yet)."""
-        started = {s.index for s in self.sequences}
+        if self.choices_ended:
+            return
+        started = {s.index for s in self.sequences} if self.request.beam is None else set()
         for index in range(self.n):
             if index not in started:
                 self.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=reason, error=error,
@@ -293,7 +313,8 @@ class RequestHandle:
                     return None
 
     def _engine_died(self, remaining: int) -> Iterator[TokenEvent]:
-        finished = {s.index for s in self._state.sequences if s.finish_reason is not None}
+        beams = self._state.request.beam is not None  # a beam request's sequences are its beams, not its choices
+        finished = set() if beams else {s.index for s in self._state.sequences if s.finish_reason is not None}
         pending = [i for i in range(self._state.n) if i not in finished][:remaining]
         for index in pending:
             yield TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,

@@ -65,6 +65,17 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleResult:
     return SampleResult(token_ids.tolist(), chosen.tolist(), _top_logprobs(log_probs, rows), bad_rows, blocked_rows)
 
 
+@torch.inference_mode()
+def beam_logprobs(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """What beam search ranks: the log-softmax of the logits after bias and penalties, then the ending tokens
+    masked while a row is under its ``min_new_tokens`` (after the softmax, as transformers' processors do)."""
+    logprobs = torch.log_softmax(_apply_bias_and_penalties(logits, rows), dim=-1)
+    for i, row in enumerate(rows):
+        if row.holds_ending:
+            logprobs[i, list(row.ending_ids)] = float("-inf")
+    return logprobs
+
+
 def _apply_bias_and_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     for i, row in enumerate(rows):
         p = row.params

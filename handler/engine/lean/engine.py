@@ -145,6 +145,8 @@ class Engine:
             raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the "
                              f"{self.limits.max_running} sequences this server runs at once "
                              "(option.max_rolling_batch_size)", param="n")
+        if request.beam is not None:
+            self._check_beams(request)
         vocab = self._loaded.vocab_size if self._loaded else None
         if vocab is not None and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:  # token prompts
             raise BadRequest(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})",
@@ -153,6 +155,22 @@ class Engine:
             if vocab is not None and not 0 <= token_id < vocab:
                 raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab - 1})",
                                  param="logit_bias")
+
+    def _check_beams(self, request: GenerationRequest) -> None:
+        """A beam search runs all its beams at once, each with room for the whole answer: refused when the batch
+        or the KV memory could never hold them."""
+        beam = request.beam
+        if beam.width > self.limits.max_running:
+            raise BadRequest(f"beam search with {beam.width} beams needs {beam.width} sequences at once; this server "
+                             f"runs {self.limits.max_running} (option.max_rolling_batch_size)", param=beam.param)
+        space = self._loop.scheduler.space if self._loop is not None else None
+        budget, per_token = getattr(space, "budget", None), getattr(space, "bytes_per_token", 0)
+        room = self.limits.max_model_len - len(request.prompt_ids)
+        length = len(request.prompt_ids) + min(request.stop.max_new_tokens or room, room)
+        if budget and beam.width * length * per_token > budget:
+            raise BadRequest(f"beam search with {beam.width} beams of up to {length} positions needs "
+                             f"{beam.width * length * per_token / 2**20:.0f} MiB of KV memory; the budget is "
+                             f"{budget / 2**20:.0f} MiB (lower max_tokens or the beams)", param=beam.param)
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _main(self) -> None:

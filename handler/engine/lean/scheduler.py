@@ -119,7 +119,7 @@ class Scheduler:
             if sequence.is_prefilling or sequence not in self.running:
                 continue
             while not self.space.grow(sequence, sequence.num_cached + 1):
-                victim = max(self.running, key=_order)
+                victim = max(_movable(self.running, sequence), key=_order)
                 self.preempt(victim)
                 if victim is sequence:
                     break
@@ -127,19 +127,22 @@ class Scheduler:
     def _admit(self, item: RequestState | Sequence) -> Sequence | None:
         """A waiting request's first sequence, or a preempted one, with its slot; None when it does not fit."""
         if isinstance(item, Sequence):
-            if len(self.running) + 1 > self.max_running:
+            if len(self.running) + _choices(item, waiting=True) > self.max_running:
                 return None
             sequence = item
             sequence.resume()
         else:
-            if self.num_reserved + item.n > self.max_running:
+            if self.num_reserved + item.num_sequences > self.max_running:
                 return None
-            if not self.space.fits(item.num_prompt_tokens + 1):
+            if item.request.beam is None and not self.space.fits(item.num_prompt_tokens + 1):
                 return None
             sequence = item.new_sequence(0)
+            if item.request.beam is not None and not self.space.fits(sequence.reserve):
+                item.sequences.remove(sequence)
+                return None
         if not sequence.wants_prompt_logprobs:  # a cached prefix would skip the rows that score the prompt
             self.match_prefix(sequence)
-        if not self.space.place(sequence, sequence.prefill_target + 1):
+        if not self.space.place(sequence, sequence.reserve):
             sequence.num_cached = sequence.num_cached_prefix = 0
             sequence.prefix_kv = None
             if item is not sequence:
@@ -155,9 +158,11 @@ class Scheduler:
     def place_fork(self, child: Sequence, parent: Sequence) -> bool:
         """A forked choice's slot (the engine copies the prompt's KV into it). Newer sequences give way; when
         nothing can, the child waits preempted and computes the prompt itself later."""
-        while not self.space.place(child, parent.num_cached + 1):
-            victims = [s for s in self.running if s.request is not parent.request]
+        while not self.space.place(child, child.reserve if child.is_beam else parent.num_cached + 1):
+            victims = [s for s in _movable(self.running, child) if s.request is not parent.request]
             if not victims:
+                if child.is_beam:  # a beam never waits alone: the caller takes its request's beams back
+                    return False
                 child.preempted()
                 self.preempted.append(child)
                 self.preempted.sort(key=_order)
@@ -213,9 +218,18 @@ class Scheduler:
         return taken
 
 
-def _choices(sequence: Sequence) -> int:
-    """Slots a running sequence stands for: a request's first choice, before its prompt completes, all n."""
-    return sequence.request.n if sequence.index == 0 and not sequence.output_ids and sequence.is_prefilling else 1
+def _choices(sequence: Sequence, waiting: bool = False) -> int:
+    """Slots a running (or resuming) sequence stands for: a request's first choice or beam, before its prompt
+    completes and it forks, all of them."""
+    if sequence.index == 0 and not sequence.output_ids and (waiting or sequence.is_prefilling):
+        return sequence.request.num_sequences
+    return 1
+
+
+def _movable(running: list[Sequence], needing: Sequence) -> list[Sequence]:
+    """The sequences that may be preempted for ``needing``: never a beam (its request's beams step together), the
+    one that needs the room itself excepted (it waits)."""
+    return [s for s in running if not s.is_beam or s is needing]
 
 
 def _order(item: RequestState | Sequence) -> tuple[int, int]:

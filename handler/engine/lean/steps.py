@@ -17,6 +17,7 @@ from handler.engine.core import prompt_logprobs
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.request import RequestState, Sequence, Vocabulary
 from handler.engine.core.sampler import SampleResult, sample
+from handler.engine.lean.beams import BeamSteps
 from handler.engine.lean.scheduler import Scheduler
 from handler.engine.runners.base import Runner, StepOutput, StepPlan
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
@@ -33,6 +34,7 @@ class StepLoop:
         self.scheduler.space = runner.space
         self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
         self.num_sampled = 0          # tokens sampled since the last report
+        self._beams = BeamSteps(vocab, limits, self.scheduler)
         self.reported = (0, 0, 0)     # prefix-cache queries and hits, and preemptions, at the last report
 
     @property
@@ -93,6 +95,10 @@ class StepLoop:
     def _postprocess(self, output: StepOutput) -> None:
         prompt_logprobs.record(output.prompt_logits, self.vocab.special_token_ids)  # before the first events
         sequences, logits = self._fork_completed_prompts(output)
+        if any(s.is_beam for s in sequences):
+            sequences, logits = self._beams.step(sequences, logits)
+            self.num_sampled += self._beams.num_sampled
+            self._beams.num_sampled = 0
         if not sequences:
             return
         # sample() adjusts logits in place; keep the originals when a row's parameters could make it fail
@@ -130,9 +136,13 @@ class StepLoop:
         sequences, rows = [], []
         for row, sequence in enumerate(output.sequences):
             choices = [sequence]
-            if not sequence.output_ids and sequence.index == 0 and sequence.request.n > 1:
-                forks = [self._fork(sequence, i) for i in range(1, sequence.request.n)]
+            count = sequence.request.num_sequences
+            if not sequence.output_ids and sequence.index == 0 and count > 1:
+                forks = [self._fork(sequence, i) for i in range(1, count)]
                 choices += [child for child in forks if child is not None]
+                if sequence.is_beam and len(choices) < count:  # beams start together or not at all
+                    self._take_beams_back(choices)
+                    continue
             sequences += choices
             rows += [row] * len(choices)
         return sequences, output.logits[rows] if len(rows) != len(output.sequences) else output.logits
@@ -147,6 +157,15 @@ class StepLoop:
         self.scheduler.space.copy(parent, child, parent.num_cached)
         return child
 
+    def _take_beams_back(self, beams: list[Sequence]) -> None:
+        """Not every beam found room: the forks leave and the first beam waits preempted, to prefill again and fork
+        when memory allows (the logits of this step are dropped)."""
+        first = beams[0]
+        for child in first.request.sequences[1:]:
+            self.scheduler.remove(child)
+        first.request.sequences[:] = [first]
+        self.scheduler.preempt(first)
+
     def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
         self.num_sampled += 1
         top = tuple(TopLogprob(t, lp) for t, lp in result.top_logprobs[row])
@@ -158,7 +177,11 @@ class StepLoop:
 
     def finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
                error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
-        """End a choice and free its slot: its last event carries the reason (and the error, if any) and usage."""
+        """End a choice and free its slot: its last event carries the reason (and the error, if any) and usage. A
+        beam ends its whole request (``BeamSteps.end``)."""
+        if sequence.is_beam:
+            self._beams.end(sequence.request, reason, error, error_kind)
+            return
         sequence.finish_reason = reason
         self.scheduler.remove(sequence)
         base = event or TokenEvent(index=sequence.index, token_id=None, text="")
