@@ -68,6 +68,8 @@ def main() -> None:
         print(f"width {width} x {streams} streams: {cells}  beams/greedy-n {median['greedy n'] / median['beams']:.2f}"
               f"  beams/greedy {median['greedy'] / median['beams']:.2f} (speed ratios)")
     engine.stop()
+    while engine.is_alive:  # let the engine thread leave its step before the interpreter exits
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
