@@ -1,7 +1,7 @@
 """The transformers path (``engine.reference``) through our Engine on tiny random checkpoints of architectures the
 lean model does not implement (and, with option.rolling_batch=transformers, of families it does): greedy tokens
-equal transformers' own ``generate``, for requests run together with chunked prefill, and for n > 1 (forked
-caches)."""
+equal transformers' own ``generate``, for requests run together with chunked prefill, for n > 1 (forked
+caches), and for beam search."""
 
 from __future__ import annotations
 
@@ -113,3 +113,24 @@ def test_a_steps_decode_rows_share_one_forward_where_the_cache_allows(tmp_path: 
         assert not windowed._loaded.runner.shares_steps
     finally:
         windowed.stop()
+
+
+def test_beam_search_on_the_transformers_path_equals_generate(tmp_path: Path) -> None:
+    """Beams on the checkpoint's own transformers code: the forked caches are deep copies, and the hypotheses are
+    transformers' own beam search's."""
+    from transformers import AutoModelForCausalLM
+
+    from handler.engine.types import BeamParams
+
+    folder = build_tiny(tmp_path / "gemma", "gemma", head_dim=16)
+    engine = engine_on_path(folder, "auto", "transformers")
+    try:
+        request = GenerationRequest("beams", tuple(PROMPTS[0]), n=2, beam=BeamParams(3),
+                                    stop=StopConditions(max_new_tokens=10, ignore_eos=True))
+        choices = collect(engine.submit(request))
+    finally:
+        engine.stop()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = model.generate(torch.tensor([PROMPTS[0]]), num_beams=3, num_return_sequences=2, max_new_tokens=10,
+                              do_sample=False, eos_token_id=None)
+    assert [choices[i].token_ids for i in range(2)] == expected[:, len(PROMPTS[0]):].tolist()
