@@ -16,8 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 MODEL_DIR = Path("model_store/smollm2-135m-instruct")
 TOKENS = 32
 CONFIGS = [(2, 1), (4, 1), (4, 4), (8, 4)]  # (beam width, concurrent streams)
@@ -27,20 +25,11 @@ ROUNDS = 3
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from handler.__main__ import keep_freed_memory
-    from handler.engine.backend import EngineLimits
-    from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, load
+    from bench.grammar_overhead import served_engine
     from handler.engine.types import BeamParams, GenerationRequest, StopConditions
 
-    torch.set_num_threads(2)
-    keep_freed_memory()
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    options = LoadOptions(MODEL_DIR, "float32", True, "cpu", max_running=32, max_model_len=512)
-    loaded = load(options, lambda: tokenizer)[0]
-    engine = Engine(lambda: loaded, EngineLimits(max_running=32, max_model_len=512, max_step_tokens=512))
-    engine.start()
-    wait_until_ready(engine, timeout=300)
+    engine = served_engine(tokenizer)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
                                          add_generation_prompt=True, tokenize=False)
     prompt = tuple(tokenizer.encode(text, add_special_tokens=False))

@@ -100,13 +100,13 @@ def mask_application_us(vocab: int, rows: int = 16, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def engine_throughput(tokenizer, num_requests: int = 16, num_tokens: int = 64) -> None:
-    """Aggregate tokens/s of the real engine, free against constrained (same prompts, same lengths)."""
+def served_engine(tokenizer):
+    """The lean engine over the embedded model as served on CPU (int8, 32 slots, a 512-token context), started
+    and ready; the caller stops it."""
     from handler.__main__ import keep_freed_memory
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
     from handler.engine.lean.load import LoadOptions, load
-    from handler.engine.types import GenerationRequest, GrammarSpec, StopConditions
 
     torch.set_num_threads(2)
     keep_freed_memory()  # as the server does: per-step temporaries reuse heap blocks instead of fresh mmaps
@@ -115,6 +115,14 @@ def engine_throughput(tokenizer, num_requests: int = 16, num_tokens: int = 64) -
     engine = Engine(lambda: loaded, EngineLimits(max_running=32, max_model_len=512, max_step_tokens=512))
     engine.start()
     wait_until_ready(engine, timeout=300)
+    return engine
+
+
+def engine_throughput(tokenizer, num_requests: int = 16, num_tokens: int = 64) -> None:
+    """Aggregate tokens/s of the real engine, free against constrained (same prompts, same lengths)."""
+    from handler.engine.types import GenerationRequest, GrammarSpec, StopConditions
+
+    engine = served_engine(tokenizer)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Describe a person."}],
                                          add_generation_prompt=True, tokenize=False)
     prompt = tuple(tokenizer.encode(text, add_special_tokens=False))

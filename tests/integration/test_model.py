@@ -102,24 +102,24 @@ def test_int8_invariance_holds_on_avx2_kernels_too():
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2",
                MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", ENGINE_TEST_DEVICE="cpu")
-    tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
-             f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
-             f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "3 passed" in done.stdout
+    _invariance_tests_pass(env, timeout=600)
 
 
 def test_int8_invariance_holds_on_the_8_bit_path_on_any_cpu():
     """The same checks with 8-bit activations forced: VNNI's kernel where this CPU has it, else the exact float64
     stand-in for it (``linear._exact_int8_linear``), so an AVX2 machine proves the 8-bit path too."""
     env = dict(os.environ, LLM_INT8_ACTIVATION_BITS="8", ENGINE_TEST_DEVICE="cpu")
+    _invariance_tests_pass(env, timeout=900)
+
+
+def _invariance_tests_pass(env: dict[str, str], timeout: int) -> None:
+    """The three int8 invariance checks of this module, in a fresh interpreter under ``env`` (kernel choices are
+    made once per process)."""
     tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
              f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
              f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "3 passed" in done.stdout
 

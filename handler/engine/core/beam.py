@@ -88,10 +88,7 @@ class BeamSearch:
 
     def best_so_far(self, n: int) -> list[Hypothesis]:
         """For a search cut short (the deadline): kept hypotheses and running beams, by penalised score."""
-        running = [Hypothesis(tuple(b.token_ids), tuple(b.logprobs), self._penalised(b.score, len(b.token_ids)))
-                   for b in self.beams if b.score > _DROPPED / 2 and b.token_ids]
-        pool = [h for h in self.kept if h is not None] + running
-        return sorted(pool, key=lambda h: -h.score)[:n]
+        return _best_so_far([h for h in self.kept if h is not None], self.beams, self.params.length_penalty, n)
 
     def tokens_of(self, slot: int) -> list[int]:
         return next(b.token_ids for b in self.beams if b.slot == slot)
@@ -117,23 +114,8 @@ class BeamSearch:
         values = torch.tensor([_DROPPED if h is None else h.score for h in merged], dtype=torch.float32)
         self.kept = [merged[i] for i in torch.topk(values, k=self.width).indices.tolist()]
 
-    def _penalised(self, score: float, length: int) -> float:
-        return score / (length ** self.params.length_penalty)
-
     def _assign_slots(self, next_beams: list[Beam]) -> list[tuple[int, int]]:
-        """A parent's first continuation keeps its slot; others take the slots of parents with none."""
-        taken: set[int] = set()
-        waiting = []
-        for beam in next_beams:
-            if beam.slot in taken:
-                waiting.append(beam)
-            else:
-                taken.add(beam.slot)
-        free = [slot for slot in range(self.width) if slot not in taken]
-        copies = []
-        for beam, slot in zip(waiting, free, strict=True):
-            copies.append((beam.slot, slot))
-            beam.slot = slot
+        copies = _reassign(self.beams, next_beams)
         self.beams = next_beams
         return copies
 
@@ -243,18 +225,7 @@ class GroupBeamSearch:
         return group.worst >= best_total / (max(length, 1) ** penalty)
 
     def _assign_slots(self, group: _Group, next_beams: list[Beam]) -> list[tuple[int, int]]:
-        taken: set[int] = set()
-        waiting = []
-        for beam in next_beams:
-            if beam.slot in taken:
-                waiting.append(beam)
-            else:
-                taken.add(beam.slot)
-        free = [beam.slot for beam in group.beams if beam.slot not in taken]
-        copies = []
-        for beam, slot in zip(waiting, free, strict=True):
-            copies.append((beam.slot, slot))
-            beam.slot = slot
+        copies = _reassign(group.beams, next_beams)
         group.beams = next_beams
         return copies
 
@@ -271,12 +242,34 @@ class GroupBeamSearch:
         return [hypothesis for _score, hypothesis in reversed(ranked)][:n]
 
     def best_so_far(self, n: int) -> list[Hypothesis]:
-        running = [Hypothesis(tuple(b.token_ids), tuple(b.logprobs),
-                              b.score / (len(b.token_ids) ** self.params.length_penalty))
-                   for group in self.groups if not group.done for b in group.beams
-                   if b.score > _DROPPED / 2 and b.token_ids]
-        pool = [h for group in self.groups for _s, h in group.kept] + running
-        return sorted(pool, key=lambda h: -h.score)[:n]
+        kept = [h for group in self.groups for _s, h in group.kept]
+        running = [b for group in self.groups if not group.done for b in group.beams]
+        return _best_so_far(kept, running, self.params.length_penalty, n)
 
     def tokens_of(self, slot: int) -> list[int]:
         return next(b.token_ids for group in self.groups for b in group.beams if b.slot == slot)
+
+
+def _reassign(beams: list[Beam], next_beams: list[Beam]) -> list[tuple[int, int]]:
+    """Slots for the next beams (each starts in its parent's): a parent's first continuation keeps the slot,
+    further ones take the slots of ``beams`` left without one; returns the ``(from, to)`` cache copies."""
+    taken: set[int] = set()
+    waiting = []
+    for beam in next_beams:
+        if beam.slot in taken:
+            waiting.append(beam)
+        else:
+            taken.add(beam.slot)
+    free = [beam.slot for beam in beams if beam.slot not in taken]
+    copies = []
+    for beam, slot in zip(waiting, free, strict=True):
+        copies.append((beam.slot, slot))
+        beam.slot = slot
+    return copies
+
+
+def _best_so_far(kept: list[Hypothesis], running: list[Beam], length_penalty: float, n: int) -> list[Hypothesis]:
+    """Kept hypotheses and the running beams that have tokens (as hypotheses), best penalised score first."""
+    pool = kept + [Hypothesis(tuple(b.token_ids), tuple(b.logprobs), b.score / (len(b.token_ids) ** length_penalty))
+                   for b in running if b.score > _DROPPED / 2 and b.token_ids]
+    return sorted(pool, key=lambda h: -h.score)[:n]
