@@ -16,6 +16,9 @@ SYSTEM = "You are a patient tutor. " + "Answer in full sentences and explain eac
 
 @pytest.fixture(scope="module")
 def budgeted(tmp_path_factory: pytest.TempPathFactory):
+    """The shipped server with a KV budget small enough to reach (512 MiB) and a 2,048-token context, so that the
+    budget's gauge and its start-up sizing are exercised at a scale these tests can fill; both are settings users
+    set, and the tests are about honouring them."""
     server = start_server(tmp_path_factory.mktemp("kv"), env={"OPTION_KV_CACHE_MEMORY": "512MiB",
                                                                "OPTION_MAX_MODEL_LEN": "2048"})
     yield server
