@@ -14,7 +14,14 @@ import pytest
 from handler.config import Settings, load_settings
 from handler.engine.backend import EngineLimits
 from handler.engine.core.json_rules import INTEGER_LIMIT, JSON_LAYOUT
-from handler.engine.types import GenerationRequest, GrammarSpec, PromptImages, SamplingParams, StopConditions
+from handler.engine.types import (
+    BeamParams,
+    GenerationRequest,
+    GrammarSpec,
+    PromptImages,
+    SamplingParams,
+    StopConditions,
+)
 from handler.engine.vllm.args import (
     CPU_MEMORY_FRACTION,
     Placement,
@@ -27,6 +34,7 @@ from handler.engine.vllm.args import (
     prompt_inputs,
     sampling_kwargs,
 )
+from handler.engine.vllm.beams import check_beams
 from handler.errors import BadRequest, ConfigError, Unprocessable
 
 CPU = Placement("cpu", 0)
@@ -266,9 +274,14 @@ def test_truncate_prompt_keeps_the_last_tokens() -> None:
      "logit_bias"),
     (GenerationRequest("r", prompt_ids=(1, 2), prompt_embeds=object(), prompt_param="messages"), Unprocessable,
      "messages"),
+    (GenerationRequest("r", prompt_ids=(1,), beam=BeamParams(8, param="num_beams")), BadRequest, "num_beams"),
+    (GenerationRequest("r", prompt_ids=(1,), beam=BeamParams(2, param="best_of"),
+                       sampling=SamplingParams(frequency_penalty=0.5)), Unprocessable, "frequency_penalty"),
+    (GenerationRequest("r", prompt_ids=(1,), beam=BeamParams(4, param="best_of")), Unprocessable, "best_of"),
 ])
 def test_requests_vllm_cannot_serve_are_refused_naming_the_field(bad: GenerationRequest, error: type,
                                                                   param: str) -> None:
     with pytest.raises(error) as info:
         check_request(bad, LIMITS, vocab_size=1000)
+        check_beams(bad, eos_token_ids=(0, 2), max_logprobs=10)  # 4 beams rank 12 candidates a beam
     assert info.value.param == param

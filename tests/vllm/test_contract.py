@@ -1,9 +1,10 @@
 """The e2e contract tests, unchanged, against servers on vLLM: both schemas, both framings, errors, sampling
-fields, stop strings, logprobs, prompt logprobs (echo, decoder_input_details, token prompts), n / best_of, seed,
-logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), then cancellation on
-disconnect, the 429 queue bound and the deadline (a server with one batch slot, one queue place and a 3 s
-deadline), and SIGTERM's drain (servers of their own)."""
+fields, beam search, stop strings, logprobs, prompt logprobs (echo, decoder_input_details, token prompts), n /
+best_of, seed, logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), then
+cancellation on disconnect, the 429 queue bound and the deadline (a server with one batch slot, one queue place and
+a 3 s deadline), and SIGTERM's drain (servers of their own)."""
 
+from tests.e2e.test_beams import *  # noqa: F403
 from tests.e2e.test_chat_fields import *  # noqa: F403
 from tests.e2e.test_completions import *  # noqa: F403
 from tests.e2e.test_lifecycle import (  # noqa: F401
@@ -20,13 +21,3 @@ from tests.e2e.test_prompt_logprobs import *  # noqa: F403
 from tests.e2e.test_serving import *  # noqa: F403
 from tests.e2e.test_stop_fields import *  # noqa: F403
 from tests.e2e.test_tools import *  # noqa: F403
-
-
-def test_beam_search_is_refused_in_one_line_naming_the_field(url: str) -> None:  # noqa: F811
-    """vLLM's beam search lives in its own HTTP server, not in the engine this backend drives: refused, not faked."""
-    import requests
-
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "use_beam_search": True, "best_of": 2}
-    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 422 and response.json()["error"]["param"] == "use_beam_search"
-    assert "lean engine" in response.json()["error"]["message"]

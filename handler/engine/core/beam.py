@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from handler.engine.types import BeamParams
+from handler.engine.core.request import RequestState, Sequence, Vocabulary
+from handler.engine.types import BeamParams, ErrorKind, FinishReason, GenerationRequest, TokenEvent
 
 _DROPPED = -1.0e9  # transformers' stand-in score for "not a beam" (finished candidates, empty hypothesis places)
 
@@ -248,6 +249,39 @@ class GroupBeamSearch:
 
     def tokens_of(self, slot: int) -> list[int]:
         return next(b.token_ids for group in self.groups for b in group.beams if b.slot == slot)
+
+
+def new_search(request: GenerationRequest, eos_token_ids, max_new_tokens: int) -> BeamSearch | GroupBeamSearch:
+    """The request's search: its beams end at its stop token ids and (unless ``ignore_eos``) the EOS ids."""
+    stop = request.stop
+    ending = set(stop.stop_token_ids) | (set() if stop.ignore_eos else set(eos_token_ids))
+    kind = GroupBeamSearch if request.beam.groups > 1 else BeamSearch
+    return kind(request.beam, max_new_tokens, frozenset(ending))
+
+
+def send_hypotheses(state: RequestState, hypotheses: list[Hypothesis], cut: FinishReason | None, vocab: Vocabulary,
+                    max_model_len: int) -> None:
+    """Each hypothesis as a choice of ``state``: its tokens through a fresh ``Sequence`` (text, EOS and stop-token
+    rules), the last event with its finish reason (``cut`` for a search the deadline ended); choices the search
+    had no beam with tokens for (cut short) end with the timeout error. Marks the request's choices ended."""
+    for index, hypothesis in enumerate(hypotheses):
+        choice = Sequence.create(state, index, vocab, max_model_len)
+        event, reason = None, None
+        for token_id, logprob in zip(hypothesis.token_ids, hypothesis.logprobs, strict=True):
+            if event is not None:
+                state.events.put(event)
+            accepted = choice.accept(token_id, logprob, ())
+            event, reason = accepted.event, accepted.finish_reason
+        if reason is None or reason is FinishReason.ERROR:
+            event = dataclasses.replace(event, text=event.text + choice.detokenizer.flush())
+            reason = cut or FinishReason.LENGTH
+        state.events.put(dataclasses.replace(event, finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens,
+                                             num_generated_tokens=len(hypothesis.token_ids)))
+    for index in range(len(hypotheses), state.n):  # a search cut before it had n beams with tokens
+        state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
+                                    error="the request's time ran out before this beam had tokens",
+                                    error_kind=ErrorKind.TIMEOUT, num_prompt_tokens=state.num_prompt_tokens))
+    state.choices_ended = True
 
 
 def _reassign(beams: list[Beam], next_beams: list[Beam]) -> list[tuple[int, int]]:

@@ -11,13 +11,12 @@ are in every step. When the search is done, the ``n`` best hypotheses are replay
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
 from handler.engine.backend import EngineLimits
-from handler.engine.core.beam import BeamSearch, GroupBeamSearch, Hypothesis
+from handler.engine.core.beam import BeamSearch, GroupBeamSearch, Hypothesis, new_search, send_hypotheses
 from handler.engine.core.request import RequestState, Sequence, Vocabulary
 from handler.engine.core.sampler import beam_logprobs
 from handler.engine.lean.scheduler import Scheduler
@@ -60,10 +59,7 @@ class BeamSteps:
             self.end(state, FinishReason.ERROR, "the model produced non-finite logits", ErrorKind.MODEL)
             return
         if state.beams is None:
-            stop = state.request.stop
-            ending = set(stop.stop_token_ids) | (set() if stop.ignore_eos else set(self.vocab.eos_token_ids))
-            kind = GroupBeamSearch if state.request.beam.groups > 1 else BeamSearch
-            state.beams = kind(state.request.beam, beams[0].max_new_tokens, frozenset(ending))
+            state.beams = new_search(state.request, self.vocab.eos_token_ids, beams[0].max_new_tokens)
         search: BeamSearch | GroupBeamSearch = state.beams
         result = search.step(logprobs)
         for source, target in result.copies:
@@ -89,26 +85,7 @@ class BeamSteps:
         self._free(state, reason)
 
     def _send(self, state: RequestState, hypotheses: list[Hypothesis], cut: FinishReason | None) -> None:
-        """Each hypothesis as a choice: its tokens through a fresh ``Sequence`` (text, EOS and stop-token rules),
-        the last event with its finish reason (``cut`` for a search the deadline ended)."""
-        vocab, limit = self.vocab, self.limits.max_model_len
-        for index, hypothesis in enumerate(hypotheses):
-            choice = Sequence.create(state, index, vocab, limit)
-            event, reason = None, None
-            for token_id, logprob in zip(hypothesis.token_ids, hypothesis.logprobs, strict=True):
-                if event is not None:
-                    state.events.put(event)
-                accepted = choice.accept(token_id, logprob, ())
-                event, reason = accepted.event, accepted.finish_reason
-            if reason is None or reason is FinishReason.ERROR:
-                event = dataclasses.replace(event, text=event.text + choice.detokenizer.flush())
-                reason = cut or FinishReason.LENGTH
-            state.events.put(dataclasses.replace(event, finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens,
-                                                 num_generated_tokens=len(hypothesis.token_ids)))
-        for index in range(len(hypotheses), state.n):  # a search cut before it had n beams with tokens
-            state.events.put(TokenEvent(index=index, token_id=None, text="", finish_reason=FinishReason.ERROR,
-                                        error="the request's time ran out before this beam had tokens",
-                                        error_kind=ErrorKind.TIMEOUT, num_prompt_tokens=state.num_prompt_tokens))
+        send_hypotheses(state, hypotheses, cut, self.vocab, self.limits.max_model_len)
         self._free(state, cut or FinishReason.EOS)
 
     def _free(self, state: RequestState, reason: FinishReason) -> None:

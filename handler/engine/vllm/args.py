@@ -209,9 +209,10 @@ def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: 
     prompt as the model sees it (image placeholders expanded), so a prompt too long with its images is refused here
     as on the lean engine. Image embeddings computed by our own vision tower are not taken: vLLM runs the tower."""
     num_prompt = len(request.prompt_ids)
-    if request.beam is not None:  # vLLM's beam search lives in its HTTP server, not in the engine we drive
-        raise Unprocessable("beam search is served by the lean engine; the vLLM backend's engine has none "
-                            "(option.rolling_batch=lean or transformers)", param=request.beam.param)
+    beam = request.beam
+    if beam is not None and beam.width > limits.max_running:
+        raise BadRequest(f"beam search with {beam.width} beams needs {beam.width} sequences at once; this server "
+                         f"runs {limits.max_running} (option.max_rolling_batch_size)", param=beam.param)
     if request.prompt_embeds is not None:
         raise Unprocessable("image embeddings are not passed to the vLLM backend; it takes the images themselves",
                             param=request.prompt_param)

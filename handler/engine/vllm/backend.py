@@ -27,13 +27,15 @@ from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.request import RequestHandle, RequestState, Sequence, Vocabulary
 from handler.engine.types import (
+    EmbeddingRequest,
     ErrorKind,
     FinishReason,
     GenerationRequest,
 )
 from handler.engine.vllm.args import check_request, fit_prompt
+from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
-from handler.errors import NotReady
+from handler.errors import NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class VllmBackend:
         self._vocab_size = 0
         self._live: dict[VllmRequestState, list[asyncio.Task]] = {}   # loop thread only, in arrival order
         self._choices: ChoiceRunner | None = None   # once vLLM has started (``requests``)
+        self._beams: BeamRunner | None = None       # beam requests (``beams``)
         self._last_stats: EngineStats | None = None
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
@@ -108,9 +111,18 @@ class VllmBackend:
         check_request(request, self.limits, self._vocab_size)
         if request.grammar is not None:
             check_grammar(request)
+        if request.beam is not None:
+            check_beams(request, self._vocab.eos_token_ids, self._engine.model_config.max_logprobs)
         state = VllmRequestState(request, self._new_sequence, deadline=self._admission.deadline(request.arrived_at))
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
+
+    def embed(self, request: EmbeddingRequest):
+        """vLLM embeds with its pooling runner, an engine started for that task alone: this backend's engine
+        generates."""
+        raise Unprocessable("embeddings are not served on the vLLM backend (vLLM embeds with an engine of its own, "
+                            "its pooling runner); serve the model with option.rolling_batch=auto or lean",
+                            param=request.param)
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         return Sequence.create(state, index, self._vocab, self.limits.max_model_len)
@@ -142,6 +154,7 @@ class VllmBackend:
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**prepared.engine_kwargs))
         self._vocab_size = self._engine.model_config.get_vocab_size()
         self._choices = ChoiceRunner(self._engine, self._vocab, self.limits, self._forget)
+        self._beams = BeamRunner(self._engine, self._vocab, self._vocab_size, self.limits, self._forget)
         await self._warm_up()
         log.info("vLLM ready in %.1f s (%s)", time.monotonic() - started,
                  ", ".join(f"{k}={v}" for k, v in prepared.engine_kwargs.items() if k not in ("model", "tokenizer")))
@@ -159,16 +172,19 @@ class VllmBackend:
         if state.cancelled.is_set() or self._stopping.is_set():
             state.finish_unstarted(FinishReason.ABORT)
             return
-        self._live[state] = [self._loop.create_task(self._choices.run(state, i)) for i in range(state.n)]
+        if state.request.beam is not None:  # one task runs all the beams
+            self._live[state] = [self._loop.create_task(self._beams.run(state))]
+        else:
+            self._live[state] = [self._loop.create_task(self._choices.run(state, i)) for i in range(state.n)]
         self._grant_slots()
 
     def _grant_slots(self) -> None:
-        """Mark the requests vLLM has room for (first come, first served up to ``max_running`` choices)."""
+        """Mark the requests vLLM has room for (first come, first served up to ``max_running`` choices or beams)."""
         free = self.limits.max_running
         for state in self._live:
-            if free < state.n:
+            if free < state.num_sequences:
                 return
-            free -= state.n
+            free -= state.num_sequences
             state.has_slot = True
 
     def _forget(self, state: RequestState) -> None:
@@ -184,6 +200,8 @@ class VllmBackend:
             task.cancel()
         self._grant_slots()
         if kind is ErrorKind.TIMEOUT:
+            if self._beams.cut(state):  # a beam search answers with its best beams so far
+                return
             state.end_overdue(self._choices.finish, message)
             return
         for sequence in state.sequences:
@@ -219,11 +237,14 @@ class VllmBackend:
             return
         running = [s for s in self._live if s.has_slot]
         stats = EngineStats(num_running=len(running), num_waiting=len(self._live) - len(running),
-                            batch_size=sum(1 for s in running for q in s.sequences if q.finish_reason is None),
-                            num_sampled=self._choices.num_sampled, kv_cache_used_bytes=0, kv_cache_allocated_bytes=0)
+                            batch_size=sum(s.num_sequences if s.request.beam is not None and not s.choices_ended
+                                           else sum(q.finish_reason is None for q in s.sequences) for s in running),
+                            num_sampled=self._choices.num_sampled + self._beams.num_sampled,
+                            kv_cache_used_bytes=0, kv_cache_allocated_bytes=0)
         if stats.num_sampled == 0 and stats == self._last_stats:
             return
-        self._choices.num_sampled, self._last_stats = 0, stats
+        self._choices.num_sampled = self._beams.num_sampled = 0
+        self._last_stats = stats
         try:
             self._on_stats(stats)
         except Exception:  # metrics must never stop the engine
