@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from handler.engine.types import GenerationRequest
+from handler.engine.types import EmbeddingRequest, GenerationRequest
 from handler.errors import BadRequest, Unprocessable
 from handler.prompt.renderer import PromptRenderer
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.completions import CompletionRequest, check_token_ids
+from handler.protocol.embeddings import EmbeddingRequestBody
 from handler.protocol.legacy import LegacyRequest
 
 
@@ -49,6 +50,22 @@ def completion_requests(parsed: CompletionRequest, renderer: PromptRenderer,
     parsed.check()
     prompt_ids = [_completion_prompt(parsed, renderer, prompt, index) for index, prompt in enumerate(parsed.prompts)]
     return _arrived(parsed.to_generation_requests(prompt_ids, default_temperature), arrived_at)
+
+
+def embedding_request(parsed: EmbeddingRequestBody, renderer: PromptRenderer, request_id: str) -> EmbeddingRequest:
+    """Each text input tokenised with the tokenizer's own special tokens (as sentence-transformers encodes it);
+    token-id inputs go as they are."""
+    arrived_at = time.monotonic()
+    if parsed.instruction is not None and parsed.texts() is None:
+        raise BadRequest("instruction is put before text inputs; these are token ids", param="instruction")
+    texts = parsed.texts()
+    if texts is None:
+        inputs = parsed.token_inputs()
+        for index, ids in enumerate(inputs):
+            check_token_ids(ids, renderer.vocab_size, "input" if len(inputs) == 1 else f"input[{index}]")
+    else:
+        inputs = [renderer.encode(text, add_special_tokens=True) for text in texts]
+    return EmbeddingRequest(request_id, tuple(tuple(ids) for ids in inputs), arrived_at)
 
 
 def _arrived(generations: list[GenerationRequest], arrived_at: float) -> list[GenerationRequest]:

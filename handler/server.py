@@ -38,6 +38,7 @@ from handler.errors import (
 )
 from handler.formatting import chat as chat_format
 from handler.formatting import completions as completions_format
+from handler.formatting import embeddings as embeddings_format
 from handler.formatting import legacy as legacy_format
 from handler.formatting.context import ChatContext, CompletionsContext, FormatContext, LegacyContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
@@ -53,6 +54,7 @@ from handler.protocol.common import (
     parse_request,
 )
 from handler.protocol.completions import CompletionRequest
+from handler.protocol.embeddings import EmbeddingRequestBody
 from handler.protocol.legacy import LegacyRequest
 from handler.request_log import ObservedHandle
 from handler.service import ModelService
@@ -79,6 +81,7 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.add_url_rule("/v1/models", view_func=routes.models, methods=["GET"])
     app.add_url_rule("/v1/models/<path:model_id>", view_func=routes.model, methods=["GET"])
     app.add_url_rule("/metrics", view_func=routes.metrics, methods=["GET"])
+    app.add_url_rule("/v1/embeddings", view_func=routes.embeddings, methods=["POST"])
     app.add_url_rule("/tokenize", view_func=routes.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=routes.detokenize, methods=["POST"])
     app.register_error_handler(ServingError, routes.serving_error)
@@ -94,7 +97,6 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
 # OpenAI routes this server does not have, and what to use instead
 _NOT_SERVED = {
     "/v1/responses": "the Responses API is not served by this server; use /v1/chat/completions",
-    "/v1/embeddings": "embeddings are not served by this model (a text-generation model); use an embedding model",
 }
 
 
@@ -108,7 +110,8 @@ class Routes:
     def __init__(self, service: ModelService, is_draining: Callable[[], bool]) -> None:
         self.service = service
         self.is_draining = is_draining
-        self.handlers = {"chat": self._chat, "legacy": self._legacy, "completions": self._completions}
+        self.handlers = {"chat": self._chat, "legacy": self._legacy, "completions": self._completions,
+                         "embeddings": self._embeddings}
         self.created = int(time.time())  # /v1/models' "created": when this server started
         self.watcher = DisconnectWatcher()  # cancels the generation of a client that closed its connection
 
@@ -140,6 +143,10 @@ class Routes:
         g.schema = "completions"
         return self._completions(read_json(), "sse")
 
+    def embeddings(self) -> Response:
+        g.schema = "embeddings"
+        return self._embeddings(read_json(), "json")
+
     def models(self) -> Response:
         return json_response({"object": "list", "data": [self._model_card()]})
 
@@ -160,7 +167,7 @@ class Routes:
     def _chat(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(ChatCompletionRequest, body)
         self._note(bool(parsed.stream), body.get("messages"))
-        renderer = self._renderer()
+        renderer = self._renderer(generates="messages")
         generation = extras.apply(intake.chat_request(parsed, renderer, self.service.defaults.temperature))
         handle = self._submit(generation)
         plan = parsed.output_plan(renderer)
@@ -181,7 +188,7 @@ class Routes:
         parsed, extras = self._parse(LegacyRequest, body)
         self._note(bool(parsed.stream), body.get("inputs"))
         generations = [extras.apply(generation) for generation in intake.legacy_requests(
-            parsed, self._renderer(), self.service.defaults.max_new_tokens)]
+            parsed, self._renderer(generates="inputs"), self.service.defaults.max_new_tokens)]
         handles = self._submit_all(generations)
         p = parsed.parameters
         ctx = self._context(LegacyContext, generations[0].request_id, None,
@@ -203,7 +210,7 @@ class Routes:
     def _completions(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(CompletionRequest, body)
         self._note(bool(parsed.stream), body.get("prompt"))
-        renderer = self._renderer()
+        renderer = self._renderer(generates="prompt")
         generations = [extras.apply(generation) for generation in intake.completion_requests(
             parsed, renderer, self.service.defaults.temperature)]
         echoed = intake.echo_texts(parsed, renderer)
@@ -224,6 +231,21 @@ class Routes:
             for handle in handles:  # when one prompt failed, the others stop too
                 handle.cancel()
 
+    def _embeddings(self, body: dict, framing: str) -> Response:
+        """Embeddings answer once (no stream): ``framing`` is the route's and unused."""
+        parsed, _extras = self._parse(EmbeddingRequestBody, body)
+        self._note(False, body.get("input"))
+        embedding = intake.embedding_request(parsed, self._renderer(), g.request_id)
+        result = self.service.engine.embed(embedding).result()
+        size = len(result.vectors[0])
+        if parsed.dimensions is not None and parsed.dimensions != size:
+            raise BadRequest(f"this model's embeddings have {size} dimensions; it does not cut them to "
+                             f"{parsed.dimensions}", param="dimensions")
+        record = current_record()
+        record.num_prompt_tokens = result.num_tokens
+        return json_response(embeddings_format.embedding_list(result, parsed.model or self.service.model_name,
+                                                              parsed.encoding_format))
+
     # ---- helpers ------------------------------------------------------------------------------------------
     def _parse(self, model: type[Model], body: dict) -> tuple[Model, Extras]:
         """Validate the body under the request's ``extra-parameters`` policy; remember what it dropped."""
@@ -240,7 +262,12 @@ class Routes:
         engine_path = self.service.engine_path
         return card if engine_path is None else {**card, "engine_path": engine_path}
 
-    def _renderer(self):
+    def _renderer(self, generates: str | None = None):
+        """The prompt renderer; for a generation request (``generates``: its prompt field) refused first when the
+        model serves embeddings only."""
+        if generates is not None and self.service.engine_path == "encoder":
+            raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings, or a body "
+                             "with input on /invocations), not generation", param=generates)
         if not self.service.serves_builtin:  # a user's model.py serves without the built-in engine
             raise NotFound(self.service.engine.reason, code="not_found")
         if self.is_draining():
@@ -409,8 +436,10 @@ def sniff_schema(body: dict) -> str:
         return "legacy"
     if "prompt" in body:
         return "completions"
-    raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema) and 'prompt' "
-                     "(completions)", param="messages")
+    if "input" in body:
+        return "embeddings"
+    raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema), 'prompt' "
+                     "(completions) and 'input' (embeddings)", param="messages")
 
 
 def json_response(payload: object, status: int = 200) -> Response:

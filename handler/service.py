@@ -75,6 +75,9 @@ class HandlerOnly:
     def submit(self, request):
         raise NotFound(self.reason)
 
+    def embed(self, request):
+        raise NotFound(self.reason)
+
 
 def serves_builtin(settings: Settings, user_handler: UserHandler | None) -> bool:
     """Whether the built-in engine loads: always without a user handler; with one, when the handler can call

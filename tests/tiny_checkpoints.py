@@ -38,3 +38,55 @@ def build_tiny(path: Path, model_type: str, **overrides) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(SMOLLM2_DIR / name, path / name)
     return path
+
+
+def add_sentence_transformers_config(path: Path, mode: str, normalize: bool, hidden: int = 64) -> Path:
+    """sentence-transformers' files for ``path``: modules.json (Transformer, Pooling, Normalize when asked) and
+    1_Pooling/config.json with one pooling mode (``cls``, ``mean`` or ``last``)."""
+    import json
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": mode == "cls",
+        "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": mode == "last", "include_prompt": True}))
+    return path
+
+
+def build_tiny_bert(path: Path, mode: str = "mean", normalize: bool = True) -> Path:
+    """A tiny random BERT sentence-transformers folder (an encoder, as BGE, E5 and GTE are), with the embedded
+    tokenizer (its vocabulary) and sentence-transformers' pooling config."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id or 0)
+    torch.manual_seed(0)
+    BertModel(config).eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOLLM2_DIR / name, path / name)
+    return add_sentence_transformers_config(path, mode, normalize)
+
+
+def reference_embeddings(folder: Path, texts: list[str], mode: str, normalize: bool) -> torch.Tensor:
+    """Plain transformers + torch, one input at a time (no padding): the model's last hidden states pooled as
+    sentence-transformers pools them."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    model = getattr(model, "base_model", model)
+    vectors = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer.encode(text, add_special_tokens=True)])
+            states = model(input_ids=ids).last_hidden_state[0]
+            vector = {"cls": states[0], "last": states[-1], "mean": states.mean(dim=0)}[mode]
+            vectors.append(torch.nn.functional.normalize(vector, dim=-1) if normalize else vector)
+    return torch.stack(vectors)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from handler.engine.types import GenerationRequest, TokenEvent
+from handler.engine.types import EmbeddingRequest, Embeddings, GenerationRequest, TokenEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,12 @@ class GenerationHandle(Protocol):
     def __iter__(self) -> Iterator[TokenEvent]: ...
 
 
+class EmbeddingHandle(Protocol):
+    """Submitted inputs to embed: ``result`` waits for them (``ServingError`` when they failed or time ran out)."""
+
+    def result(self) -> Embeddings: ...
+
+
 class EngineBackend(Protocol):
     """What the service starts and the server submits to."""
 
@@ -87,4 +93,8 @@ class EngineBackend(Protocol):
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         """Queue a request; raises a ``ServingError`` (naming the field) for one that cannot be served."""
+        ...
+
+    def embed(self, request: EmbeddingRequest) -> EmbeddingHandle:
+        """Queue inputs to embed; raises a ``ServingError`` for inputs (or a model) that cannot be embedded."""
         ...

@@ -216,3 +216,32 @@ class PromptParts:
 
     tokenizer: object
     vision: object | None = None      # model.vision.VisionEncoder (lean), ImageProcessor (transformers path, vLLM)
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    """How a model's token states become one embedding: ``mean`` over the input's tokens, the first token's
+    (``cls``) or the last token's (``last``), then scaled to unit length when ``normalize``."""
+
+    mode: str = "last"                # "mean" | "cls" | "last"
+    normalize: bool = True
+    source: str = "default"           # where it was read: sentence-transformers' config, or the default
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """Token ids to embed (one tuple an input, special tokens already added); answered in order, all or none."""
+
+    request_id: str
+    inputs: tuple[tuple[int, ...], ...]
+    arrived_at: float = 0.0
+    param: str = "input"              # the request field the inputs came from, for errors
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """The answer to an ``EmbeddingRequest``: one vector an input (``[len(inputs), dimensions]`` fp32 values as
+    lists), and the tokens they took."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    num_tokens: int

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from handler.protocol import chat, completions, legacy, structured, tokenize
+from handler.protocol import chat, completions, embeddings, legacy, structured, tokenize
 
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SCHEMAS = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
@@ -40,6 +40,7 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("TokenizePrompt",): tokenize.TokenizePrompt,
     ("TokenizeChat",): tokenize.TokenizeChat,
     ("Detokenize",): tokenize.Detokenize,
+    ("EmbeddingRequestBody",): embeddings.EmbeddingRequestBody,
 }
 
 
@@ -61,7 +62,7 @@ def test_yaml_properties_and_required_match_the_model(path: tuple) -> None:
 def test_every_request_model_is_in_the_yaml() -> None:
     defined = {
         value
-        for module in (chat, completions, legacy, structured, tokenize)
+        for module in (chat, completions, embeddings, legacy, structured, tokenize)
         for value in vars(module).values()
         if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__
     }

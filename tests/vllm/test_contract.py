@@ -21,3 +21,12 @@ from tests.e2e.test_prompt_logprobs import *  # noqa: F403
 from tests.e2e.test_serving import *  # noqa: F403
 from tests.e2e.test_stop_fields import *  # noqa: F403
 from tests.e2e.test_tools import *  # noqa: F403
+
+
+def test_embeddings_are_refused_in_one_line_naming_the_field(url: str) -> None:  # noqa: F811
+    """vLLM embeds with its pooling runner, an engine of its own: this backend's engine generates."""
+    import requests
+
+    response = requests.post(f"{url}/v1/embeddings", json={"input": "Hi"}, timeout=60)
+    assert response.status_code == 422 and response.json()["error"]["param"] == "input"
+    assert "rolling_batch" in response.json()["error"]["message"]

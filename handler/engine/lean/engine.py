@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.constraints import GrammarCompiler
+from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
 from handler.engine.lean.steps import StepLoop
 from handler.engine.runners.base import Runner
-from handler.engine.types import GenerationRequest
+from handler.engine.types import EmbeddingRequest, GenerationRequest, Pooling
 from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LoadedModel:
     grammar: GrammarCompiler | None = None    # None: this model cannot constrain its output
     path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
     path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
+    embedding: Pooling | str = "this model does not embed"  # how its embeddings pool, or why it cannot embed
 
 
 NO_LIMITS = Admission()
@@ -67,7 +69,7 @@ class Engine:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self.limits = limits
-        self._inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[RequestState | EmbeddingJob | None] = queue.SimpleQueue()
         self._loaded: LoadedModel | None = None
         self._loop: StepLoop | None = None      # the step loop, once the model is loaded (``steps``)
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
@@ -107,12 +109,27 @@ class Engine:
         """Queue a request; raises ``ServingError`` for one that cannot be served."""
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+        if self._loaded.path == "encoder":
+            raise BadRequest(f"this model serves embeddings only (POST /v1/embeddings): {self._loaded.path_reason}",
+                             param=request.prompt_param)
         request = self.fit_prompt(request)
         self.validate(request)
         state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
                              matcher=self._compile_grammar(request))
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
+
+    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
+        """Queue inputs to embed; raises ``ServingError`` when this model cannot embed them."""
+        if not self.is_ready:
+            raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+        if isinstance(self._loaded.embedding, str):
+            raise BadRequest(f"this model cannot embed: {self._loaded.embedding}", param=request.param)
+        check_inputs(request, self.limits.max_model_len, self._loaded.vocab_size)
+        job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), self._thread.is_alive,
+                           self._admission.timeout_error)
+        self._inbox.put(job)
+        return job
 
     def _compile_grammar(self, request: GenerationRequest):
         if request.grammar is None:
@@ -183,8 +200,8 @@ class Engine:
             return
         loaded = self._loaded
         vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
-        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission)
-        loop.warm_up()
+        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding)
+        loop.warm_up(generates=loaded.path != "encoder")
         self._on_ready()
         self._ready.set()
         idle_since = time.monotonic()

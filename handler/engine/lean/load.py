@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from handler.config import Settings, memory_amount
 from handler.engine.backend import EngineLimits
 from handler.engine.core.constraints import GrammarCompiler
+from handler.engine.core.pooling import UnsupportedPooling, read_pooling
 from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.lean.engine import LoadedModel
 from handler.engine.model import vision
@@ -27,10 +28,11 @@ from handler.engine.model.kv_cache import whole_blocks
 from handler.engine.model.linear import describe_cpu
 from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
+from handler.engine.runners.encoder_runner import EncoderRunner, is_encoder
 from handler.engine.runners.hf_runner import TransformersRunner
 from handler.engine.runners.kv_space import KVSpace
 from handler.engine.runners.model_runner import ModelRunner
-from handler.engine.types import PromptParts
+from handler.engine.types import Pooling, PromptParts
 from handler.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     calibration only needs the fast tokenizer."""
     result: dict[str, object] = {}
     config = read_config(options.model_dir)
+    if is_encoder(config):
+        return _load_encoder(options, config, load_full_tokenizer)
     path, reason = choose_path(options, config)
     log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
     if path == "transformers":
@@ -163,8 +167,45 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
-                         grammar=grammar, path="lean", path_reason=reason)
+                         grammar=grammar, path="lean", path_reason=reason,
+                         embedding=decoder_pooling(options.model_dir, encoder is not None))
     return loaded, PromptParts(tokenizer, encoder)
+
+
+def decoder_pooling(model_dir: Path, is_vision: bool) -> Pooling | str:
+    """How a decoder's embeddings pool (its sentence-transformers config, or the last token), or why it cannot
+    embed."""
+    if is_vision:
+        return "this vision-language model embeds no text here (option.rolling_batch serves its generation only)"
+    try:
+        return read_pooling(model_dir, is_encoder=False)
+    except UnsupportedPooling as error:
+        return str(error)
+
+
+def _load_encoder(options: LoadOptions, config: dict,
+                  load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
+    """An encoder checkpoint (BERT and its kin): embeddings only, through its transformers model in fp32 (int8 is the
+    lean decoder's); an embedding pipeline this server does not run is a start error."""
+    if options.quantize_asked or options.int8_split is not None:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean decoder's; an "
+                               "encoder serves option.dtype")
+    if options.rolling_batch == "lean":
+        raise UnsupportedModel(f"option.rolling_batch=lean: {config.get('model_type')} is an encoder, which the "
+                               "lean engine's own model code does not run (auto serves its embeddings)")
+    try:
+        pooling = read_pooling(options.model_dir, is_encoder=True)
+    except UnsupportedPooling as error:
+        raise UnsupportedModel(f"this encoder cannot be served: {error}") from None
+    tokenizer = load_full_tokenizer()
+    runner = EncoderRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
+                                tokenizer.pad_token_id or 0)
+    reason = f"{config.get('model_type')} is an encoder: embeddings only ({pooling.mode} pooling, {pooling.source})"
+    log.info("serving %s on the encoder path: %s", options.model_dir.name, reason)
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=frozenset(),
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=len(tokenizer),
+                         grammar=None, path="encoder", path_reason=reason, embedding=pooling)
+    return loaded, PromptParts(tokenizer, None)
 
 
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
@@ -217,7 +258,8 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
     grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=runner.vocab_size,
-                         grammar=grammar, path="transformers", path_reason=reason)
+                         grammar=grammar, path="transformers", path_reason=reason,
+                         embedding=decoder_pooling(options.model_dir, is_vision))
     # a VLM's prompts render through its processor, whose outputs (pixel values, ...) go on to the runner
     encoder = vision.ImageProcessor.load(options.model_dir, keep_inputs=True) if is_vision else None
     return loaded, PromptParts(tokenizer, encoder)

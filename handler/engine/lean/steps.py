@@ -9,18 +9,29 @@ a copy of that cache. A failure in a step or in sampling ends the requests it to
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
 from handler.engine.backend import EngineLimits, EngineStats
 from handler.engine.core import prompt_logprobs
 from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.embedding import EmbeddingJob
 from handler.engine.core.request import RequestState, Sequence, Vocabulary
 from handler.engine.core.sampler import SampleResult, sample
 from handler.engine.lean.beams import BeamSteps
 from handler.engine.lean.scheduler import Scheduler
 from handler.engine.runners.base import Runner, StepOutput, StepPlan
-from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, StopConditions, TokenEvent, TopLogprob
+from handler.engine.types import (
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    Pooling,
+    StopConditions,
+    TokenEvent,
+    TopLogprob,
+)
+from handler.errors import EngineError, NotReady
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +39,11 @@ log = logging.getLogger(__name__)
 class StepLoop:
     """The scheduler, the runner and the sampler around the requests in flight; runs on the engine thread only."""
 
-    def __init__(self, runner: Runner, vocab: Vocabulary, limits: EngineLimits, admission: AdmissionControl) -> None:
+    def __init__(self, runner: Runner, vocab: Vocabulary, limits: EngineLimits, admission: AdmissionControl,
+                 pooling: Pooling | str = "") -> None:
         self.runner, self.vocab, self.limits, self.admission = runner, vocab, limits, admission
+        self.pooling = pooling        # how embeddings pool (a str: the model cannot embed)
+        self.embeddings: collections.deque[EmbeddingJob] = collections.deque()  # jobs with inputs not yet run
         self.scheduler = Scheduler(limits.max_running, limits.max_step_tokens, runner.match_prefix)
         self.scheduler.space = runner.space
         self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
@@ -39,19 +53,22 @@ class StepLoop:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.embeddings)
 
     @property
     def has_running(self) -> bool:
         return self.scheduler.has_running
 
-    def add(self, state: RequestState) -> None:
-        self.scheduler.add(state)
+    def add(self, item: RequestState | EmbeddingJob) -> None:
+        if isinstance(item, EmbeddingJob):
+            self.embeddings.append(item)
+        else:
+            self.scheduler.add(item)
 
     def new_sequence(self, state: RequestState, index: int) -> Sequence:
         return Sequence.create(state, index, self.vocab, self.limits.max_model_len)
 
-    def warm_up(self) -> None:
+    def warm_up(self, generates: bool = True) -> None:
         """Two generations before /ping says ready: one shaped like a lone chat request (the shared template
         prefix copied in, a short prefill, one decoding row), then one like the largest step (a full prefill chunk,
         then every slot decoding).
@@ -59,6 +76,10 @@ class StepLoop:
         The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
         allocator already holds the largest working set.
         """
+        if not isinstance(self.pooling, str):
+            self.runner.embed([tuple(range(1, 9))], self.pooling)
+        if not generates:
+            return
         prefix = self.runner.prefix_ids
         prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
         shapes = [(prefix + tuple(range(1, 9)), 1), (tuple(range(1, prompt_length + 1)), self.limits.max_running)]
@@ -78,6 +99,8 @@ class StepLoop:
         """One engine step: schedule, run the model once, sample and emit. Returns the batch size."""
         self._drop_cancelled()
         self._expire_overdue()
+        if self.embeddings:
+            self._embed()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
             self._run(plan)
@@ -113,6 +136,39 @@ class StepLoop:
             return
         for row, sequence in enumerate(sequences):
             self._emit(sequence, result, row)
+
+    def _embed(self) -> None:
+        """One forward of queued inputs, in arrival order, up to the step's token budget (no KV is kept)."""
+        batch: list[tuple[EmbeddingJob, int]] = []  # (job, how many of its inputs)
+        inputs: list[tuple[int, ...]] = []
+        budget = self.limits.max_step_tokens
+        while self.embeddings and budget > 0:
+            job = self.embeddings[0]
+            if job.done.is_set():  # timed out (or failed) while it waited: its caller has gone on
+                self.embeddings.popleft()
+                continue
+            taken = job.take(budget)  # at least one input, however long
+            batch.append((job, len(taken)))
+            inputs += taken
+            budget -= sum(len(ids) for ids in taken)
+            if not job.is_taken:
+                break
+            self.embeddings.popleft()
+        if not inputs:
+            return
+        try:
+            vectors = self.runner.embed(inputs, self.pooling)
+        except Exception as error:  # these jobs fail; the engine goes on
+            log.exception("embedding step failed")
+            for job, _count in batch:
+                job.fail(EngineError(f"embedding failed: {type(error).__name__}: {error}"))
+                if job in self.embeddings:
+                    self.embeddings.remove(job)
+            return
+        row = 0
+        for job, count in batch:
+            job.put(vectors[row:row + count])
+            row += count
 
     def _sample_one_by_one(self, sequences: list[Sequence], logits) -> None:
         for row, sequence in enumerate(sequences):
@@ -206,6 +262,8 @@ class StepLoop:
         """End every request, waiting or running, with an error event (the engine is stopping)."""
         for state in self.scheduler.take_waiting() + self.scheduler.running_requests():
             self._end(state, message, ErrorKind.STOPPED)
+        while self.embeddings:
+            self.embeddings.popleft().fail(NotReady(message))
 
     def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:
         state.is_expired = True

@@ -69,8 +69,10 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout, cache: KVStore,
-                logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]``.
+                logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        """tokens, positions: ``[num_rows]``; returns fp32 logits ``[len(logit_rows), vocab]`` (``hidden``: the
+        final norm's output of those rows, ``[len(logit_rows), hidden]``, what embeddings pool).
 
         ``embeds``: ``(rows [k], values [k, hidden])``, input embeddings that replace the token embeddings of
         those rows (a vision model's image features at its image-token positions)."""
@@ -83,6 +85,8 @@ class DecoderModel:
             with_window(layout, self.spec.window, self.shape.num_heads // self.shape.num_kv_heads)
         x = self._blocks(x, cos, sin, layout, cache)
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, self.shape.rms_norm_eps)
+        if hidden:
+            return x.float()
         logits = self.lm_head(x)
         if self.spec.final_softcap:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap

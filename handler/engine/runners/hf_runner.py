@@ -37,6 +37,9 @@ import torch
 from handler.engine.core import prompt_logprobs
 from handler.engine.core.request import Sequence
 from handler.engine.runners.base import StepOutput, StepPlan, Unbounded, advance
+from handler.engine.runners.encoder_runner import transformers_embed
+from handler.engine.types import Pooling
+from handler.errors import Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,13 @@ class TransformersRunner:
         return None
 
     @torch.inference_mode()
+    def embed(self, inputs: list[tuple[int, ...]], pooling: Pooling) -> torch.Tensor:
+        """Pooled final hidden states of the inputs, through the checkpoint's base model (``encoder_runner``)."""
+        if self.vision:
+            raise Unprocessable("this vision-language model runs on the transformers path, which embeds text "
+                                "models only", param="input")
+        return transformers_embed(self.model, inputs, pooling, self.model.config.pad_token_id or 0)
+
     def run(self, plan: StepPlan) -> StepOutput:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
         if self.vision:

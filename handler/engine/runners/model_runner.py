@@ -8,11 +8,13 @@ from functools import partial
 import torch
 
 from handler.engine.core import prompt_logprobs
+from handler.engine.core.pooling import pool
 from handler.engine.core.request import Sequence
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
 from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
+from handler.engine.types import Pooling
 
 
 class ModelRunner:
@@ -75,6 +77,28 @@ class ModelRunner:
             keys += block_keys(sequence.tokens(0, count * PREFIX_BLOCK), len(keys), count - len(keys),
                                keys[-1] if keys else b"", extra)
         return keys[:count]
+
+    def embed(self, inputs: list[tuple[int, ...]], pooling: Pooling) -> torch.Tensor:
+        """The inputs' pooled final-norm states, ``[len(inputs), hidden]``: one forward of their prompts as prefill
+        chunks into a scratch cache that is dropped after (no KV is kept; prefixes are not reused, so an input's
+        vector never depends on what was embedded before it)."""
+        longest = max(len(ids) for ids in inputs)
+        scratch = self.model.new_cache(len(inputs), longest)
+        scratch.ensure(len(inputs), longest)
+        chunks, tokens, positions, starts = [], [], [], []
+        for slot, ids in enumerate(inputs):
+            starts.append(len(tokens))
+            chunks.append((slot, 0, len(ids)))
+            tokens.extend(ids)
+            positions.extend(range(len(ids)))
+        device = self.model.device
+        layout = build_layout([], chunks, self.groups, device)
+        states = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                    layout, scratch, torch.arange(len(tokens), device=device), hidden=True).cpu()
+        padded = torch.zeros(len(inputs), longest, states.shape[-1])
+        for i, (start, ids) in enumerate(zip(starts, inputs, strict=True)):
+            padded[i, :len(ids)] = states[start:start + len(ids)]
+        return pool(padded, [len(ids) for ids in inputs], pooling)
 
     def clear_prefix_cache(self) -> None:
         self.space.prefixes.clear()
