@@ -89,6 +89,12 @@ class Settings(BaseModel):
     pipeline_parallel_degree: int = Field(1, ge=1)
     enforce_eager: bool = False                             # true: no CUDA graphs / torch.compile
     trust_remote_code: bool = False                         # run the checkpoint's own Python code (vLLM)
+    # Speculative decoding (LMI's / vLLM's names): a draft model folder (same tokenizer), or "ngram" (prompt lookup:
+    # drafts copied from the context); how many tokens each step drafts; the n-gram lengths prompt lookup matches
+    speculative_draft_model: str | None = None
+    speculative_length: int = Field(5, ge=1, le=32)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)

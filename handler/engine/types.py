@@ -90,6 +90,16 @@ class BeamParams:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculationParams:
+    """A request's own speculative decoding (the OVMS reference's fields): how many tokens to draft a step, or
+    (a draft model only) draft while the draft's top token is at least this likely."""
+
+    num_tokens: int | None = None       # num_assistant_tokens
+    confidence: float | None = None     # assistant_confidence_threshold
+    param: str = "num_assistant_tokens"
+
+
+@dataclass(frozen=True, slots=True)
 class TextOptions:
     """How output tokens become text (vLLM's names)."""
 
@@ -149,6 +159,7 @@ class GenerationRequest:
     stop: StopConditions = field(default_factory=StopConditions)
     n: int = 1                          # choices returned (with beam search: the best n of beam.width beams)
     beam: BeamParams | None = None      # beam search instead of sampling (greedy only, not streamed)
+    speculation: SpeculationParams | None = None  # the request's own drafting (None: the server's settings)
     num_top_logprobs: int = 0           # 0: none; the chosen token's logprob is always reported
     # the prompt's own logprobs (echo with logprobs, vLLM's prompt_logprobs, TGI's decoder_input_details): None not
     # asked; k the k most likely alternatives at each prompt position besides the prompt's token (0: that token only)

@@ -16,6 +16,7 @@ from handler.errors import BadRequest
 from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
 from handler.protocol.common import (
     BeamFields,
+    SpeculationFields,
     StopAndTextFields,
     check_best_of,
     check_logit_bias,
@@ -100,7 +101,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(StopAndTextFields, BeamFields):
+class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
     model_config = _STRICT
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -176,6 +177,7 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields):
             text=self.text_options(),
             n=self.n if beam else self.best_of or self.n,
             beam=beam,
+            speculation=self.speculation_params(),
             num_top_logprobs=self.top_logprobs or 0,
             truncate_prompt=self.error_behavior == "truncate",
             grammar=plan.grammar,

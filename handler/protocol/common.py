@@ -21,7 +21,14 @@ from typing import Annotated, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from handler.engine.types import BeamParams, GenerationRequest, SamplingParams, StopConditions, TextOptions
+from handler.engine.types import (
+    BeamParams,
+    GenerationRequest,
+    SamplingParams,
+    SpeculationParams,
+    StopConditions,
+    TextOptions,
+)
 from handler.errors import BadRequest, Unprocessable
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -292,6 +299,26 @@ class BeamFields(BaseModel):
     def beam_ask(self, best_of: int | None, n: int) -> BeamAsk:
         return BeamAsk(self.use_beam_search, best_of or n, best_of, self.length_penalty, self.early_stopping,
                        frozenset(self.model_fields_set & BEAM_ONLY), "use_beam_search", self.diversity_penalty)
+
+
+class SpeculationFields(BaseModel):
+    """The OVMS reference's speculative-decoding fields (chat and completions): how many tokens the draft proposes
+    a step, or the confidence below which it stops proposing (a draft model only); one or the other."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    num_assistant_tokens: int | None = Field(None, ge=1, le=32)
+    assistant_confidence_threshold: float | None = Field(None, gt=0.0, lt=1.0)
+
+    def speculation_params(self) -> SpeculationParams | None:
+        tokens, confidence = self.num_assistant_tokens, self.assistant_confidence_threshold
+        if tokens is not None and confidence is not None:
+            raise BadRequest("num_assistant_tokens and assistant_confidence_threshold cannot be used together",
+                             param="assistant_confidence_threshold")
+        if tokens is None and confidence is None:
+            return None
+        param = "num_assistant_tokens" if tokens is not None else "assistant_confidence_threshold"
+        return SpeculationParams(tokens, confidence, param)
 
 
 BEAM_ONLY = frozenset({"length_penalty", "early_stopping", "diversity_penalty", "num_beam_groups"})

@@ -33,6 +33,7 @@ from handler.errors import BadRequest
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
     BeamFields,
+    SpeculationFields,
     StopAndTextFields,
     check_best_of,
     check_logit_bias,
@@ -49,7 +50,7 @@ TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5; lm-evaluation-harness has sent 10)
 
 
-class CompletionRequest(StopAndTextFields, BeamFields):
+class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
     model_config = _STRICT
 
     prompt: str | TokenIds | list[TokenIds] | list[str]  # this order: a bad token id is named as one
@@ -127,6 +128,7 @@ class CompletionRequest(StopAndTextFields, BeamFields):
                 text=self.text_options(),
                 n=self.n if beam else self.num_choices,
                 beam=beam,
+                speculation=self.speculation_params(),
                 num_top_logprobs=self.logprobs or 0,
                 prompt_logprobs=self.num_prompt_logprobs,
                 truncate_prompt=self.error_behavior == "truncate",

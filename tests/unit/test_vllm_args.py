@@ -20,6 +20,7 @@ from handler.engine.types import (
     GrammarSpec,
     PromptImages,
     SamplingParams,
+    SpeculationParams,
     StopConditions,
 )
 from handler.engine.vllm.args import (
@@ -278,6 +279,8 @@ def test_truncate_prompt_keeps_the_last_tokens() -> None:
     (GenerationRequest("r", prompt_ids=(1,), beam=BeamParams(2, param="best_of"),
                        sampling=SamplingParams(frequency_penalty=0.5)), Unprocessable, "frequency_penalty"),
     (GenerationRequest("r", prompt_ids=(1,), beam=BeamParams(4, param="best_of")), Unprocessable, "best_of"),
+    (GenerationRequest("r", prompt_ids=(1,), speculation=SpeculationParams(3)), Unprocessable,
+     "num_assistant_tokens"),
 ])
 def test_requests_vllm_cannot_serve_are_refused_naming_the_field(bad: GenerationRequest, error: type,
                                                                   param: str) -> None:
@@ -285,3 +288,12 @@ def test_requests_vllm_cannot_serve_are_refused_naming_the_field(bad: Generation
         check_request(bad, LIMITS, vocab_size=1000)
         check_beams(bad, eos_token_ids=(0, 2), max_logprobs=10)  # 4 beams rank 12 candidates a beam
     assert info.value.param == param
+
+
+def test_speculative_decoding_maps_onto_vllms_speculative_config() -> None:
+    ngram = engine_kwargs(settings(speculative_draft_model="ngram", speculative_length=3), CPU, 2048, SMOLLM2_135M)
+    assert ngram["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                           "prompt_lookup_max": 4}
+    draft = engine_kwargs(settings(speculative_draft_model="/opt/ml/draft"), CPU, 2048, SMOLLM2_135M)
+    assert draft["speculative_config"] == {"model": "/opt/ml/draft", "num_speculative_tokens": 5}
+    assert "speculative_config" not in engine_kwargs(settings(), CPU, 2048, SMOLLM2_135M)

@@ -28,6 +28,7 @@ from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.constraints import GrammarCompiler
 from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
+from handler.engine.lean.speculate import Speculation
 from handler.engine.lean.steps import StepLoop
 from handler.engine.runners.base import Runner
 from handler.engine.types import EmbeddingRequest, GenerationRequest, Pooling
@@ -49,6 +50,7 @@ class LoadedModel:
     path: str = "lean"                        # which engine path runs the forward: "lean" or "transformers"
     path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
     embedding: Pooling | str = "this model does not embed"  # how its embeddings pool, or why it cannot embed
+    speculation: Speculation | None = None    # speculative decoding (option.speculative_draft_model)
 
 
 NO_LIMITS = Admission()
@@ -164,6 +166,8 @@ class Engine:
                              "(option.max_rolling_batch_size)", param="n")
         if request.beam is not None:
             self._check_beams(request)
+        if request.speculation is not None:
+            self._check_speculation(request)
         vocab = self._loaded.vocab_size if self._loaded else None
         if vocab is not None and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:  # token prompts
             raise BadRequest(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})",
@@ -172,6 +176,20 @@ class Engine:
             if vocab is not None and not 0 <= token_id < vocab:
                 raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab - 1})",
                                  param="logit_bias")
+
+    def _check_speculation(self, request: GenerationRequest) -> None:
+        """A request's own drafting needs the server's (option.speculative_draft_model); a confidence threshold
+        needs a draft model; beams are not drafted for."""
+        asked, speculation = request.speculation, self._loaded.speculation
+        if speculation is None:
+            raise BadRequest("this server drafts no tokens: speculative decoding is set up at start "
+                             "(option.speculative_draft_model: a draft model's folder, or ngram)", param=asked.param)
+        if asked.confidence is not None and speculation.kind != "draft model":
+            raise BadRequest(f"assistant_confidence_threshold needs a draft model; this server drafts by "
+                             f"{speculation.kind}", param=asked.param)
+        if request.beam is not None:
+            raise BadRequest("beam search is not drafted for; leave out num_assistant_tokens and "
+                             "assistant_confidence_threshold", param=asked.param)
 
     def _check_beams(self, request: GenerationRequest) -> None:
         """A beam search runs all its beams at once, each with room for the whole answer: refused when the batch
@@ -200,7 +218,8 @@ class Engine:
             return
         loaded = self._loaded
         vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
-        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding)
+        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding,
+                                     loaded.speculation)
         loop.warm_up(generates=loaded.path != "encoder")
         self._on_ready()
         self._ready.set()

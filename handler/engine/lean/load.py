@@ -20,7 +20,9 @@ from handler.engine.backend import EngineLimits
 from handler.engine.core.constraints import GrammarCompiler
 from handler.engine.core.pooling import UnsupportedPooling, read_pooling
 from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
+from handler.engine.lean.draft import DraftModel
 from handler.engine.lean.engine import LoadedModel
+from handler.engine.lean.speculate import NgramDrafter, Speculation
 from handler.engine.model import vision
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.family import load_state_dict, read_config
@@ -69,6 +71,18 @@ class LoadOptions:
     quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
     int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
     kv_memory: KVMemory = KVMemory()
+    speculation: SpeculationOptions | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationOptions:
+    """option.speculative_draft_model (a folder, or ``ngram``), option.speculative_length, and prompt lookup's
+    n-gram lengths (option.prompt_lookup_min / max)."""
+
+    draft: str
+    length: int = 5
+    lookup_min: int = 2
+    lookup_max: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +119,27 @@ def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[Promp
                           limits.max_running, limits.max_model_len, settings.rolling_batch,
                           settings.quantize == "dynamic_int8", int8_split=settings.int8_split_sites,
                           kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
-                                             settings.workers, settings.enable_prefix_caching))
+                                             settings.workers, settings.enable_prefix_caching),
+                          speculation=speculation_options(settings))
     loaded, parts = load(options, lambda: load_tokenizer(settings.model_dir))
     on_parts(parts, loaded.path, loaded.path_reason)
     log.info("loaded %s on %s (%s%s%s), pid %d", settings.model_dir.name, resolved.device, resolved.dtype,
              ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
              ", vision" if parts.vision else "", os.getpid())
     return loaded
+
+
+def speculation_options(settings: Settings) -> SpeculationOptions | None:
+    """The speculative-decoding settings; None when option.speculative_draft_model is unset."""
+    draft = settings.speculative_draft_model
+    if draft is None:
+        return None
+    if settings.prompt_lookup_min > settings.prompt_lookup_max:
+        raise ConfigError(f"option.prompt_lookup_min={settings.prompt_lookup_min} is above "
+                          f"option.prompt_lookup_max={settings.prompt_lookup_max}")
+    draft = "ngram" if draft.strip() in ("ngram", "[ngram]") else draft
+    return SpeculationOptions(draft, settings.speculative_length, settings.prompt_lookup_min,
+                              settings.prompt_lookup_max)
 
 
 def chat_template_prefix(tokenizer) -> list[int]:
@@ -141,6 +169,9 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
         return _load_encoder(options, config, load_full_tokenizer)
     path, reason = choose_path(options, config)
     log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
+    if path == "transformers" and options.speculation is not None:
+        raise UnsupportedModel(f"option.speculative_draft_model: speculative decoding runs on the lean path, and "
+                               f"this model is served on the transformers path ({reason})")
     if path == "transformers":
         return _load_reference(options, load_full_tokenizer, reason)
     if needs_transformers(config):
@@ -168,8 +199,53 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=model.shape.vocab_size,
                          grammar=grammar, path="lean", path_reason=reason,
-                         embedding=decoder_pooling(options.model_dir, encoder is not None))
+                         embedding=decoder_pooling(options.model_dir, encoder is not None),
+                         speculation=load_speculation(options, model, runner))
     return loaded, PromptParts(tokenizer, encoder)
+
+
+def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRunner) -> Speculation | None:
+    """The server's drafter: prompt lookup, or a draft model (``draft``) loaded as the target is."""
+    spec = options.speculation
+    if spec is None:
+        return None
+    if spec.draft == "ngram":
+        log.info("speculative decoding: prompt lookup (n-grams of %d to %d tokens), %d tokens a step",
+                 spec.lookup_min, spec.lookup_max, spec.length)
+        return Speculation(NgramDrafter(spec.lookup_min, spec.lookup_max), spec.length, "ngram")
+    folder = Path(spec.draft)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"option.speculative_draft_model={spec.draft!r}: not a model folder (no config.json), nor "
+                          "ngram")
+    check_same_vocabulary(options.model_dir, folder)
+    config = read_config(folder)
+    try:
+        check_lean(config, tensor_names(folder), options.max_model_len)
+    except UnsupportedModel as error:
+        raise UnsupportedModel(f"option.speculative_draft_model={spec.draft!r}: the lean engine cannot run it: "
+                               f"{error}") from None
+    draft = DecoderModel(folder, dtype=model.dtype, device=model.device, config=config)
+    if options.quantize:
+        stats = calibrate(draft, Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
+            CALIBRATION_TEXT, add_special_tokens=False).ids)
+        smooth_and_quantize(draft, stats, SPLIT if options.int8_split is None else options.int8_split)
+    # the draft's cache may take the share of the target's budget its tokens' size is of the target's
+    budget = runner.space.budget * draft.kv_bytes_per_token() // model.kv_bytes_per_token()
+    log.info("speculative decoding: draft model %s, %d tokens a step, KV budget %.0f MiB", folder.name, spec.length,
+             budget / 2**20)
+    return Speculation(DraftModel(draft, model.shape.vocab_size, budget, options.max_running, options.max_model_len),
+                       spec.length, "draft model")
+
+
+def check_same_vocabulary(model_dir: Path, draft_dir: Path) -> None:
+    """A draft proposes token ids: its tokenizer must be the target's (the same vocabulary in tokenizer.json)."""
+    files = [folder / "tokenizer.json" for folder in (model_dir, draft_dir)]
+    if not all(f.is_file() for f in files):
+        raise ConfigError(f"option.speculative_draft_model={str(draft_dir)!r}: both the model and the draft need a "
+                          "tokenizer.json to compare their vocabularies")
+    if Tokenizer.from_file(str(files[0])).get_vocab() != Tokenizer.from_file(str(files[1])).get_vocab():
+        raise ConfigError(f"option.speculative_draft_model={str(draft_dir)!r}: its tokenizer's vocabulary is not the "
+                          "model's; a draft must share the tokenizer")
 
 
 def decoder_pooling(model_dir: Path, is_vision: bool) -> Pooling | str:
@@ -190,6 +266,8 @@ def _load_encoder(options: LoadOptions, config: dict,
     if options.quantize_asked or options.int8_split is not None:
         raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean decoder's; an "
                                "encoder serves option.dtype")
+    if options.speculation is not None:
+        raise UnsupportedModel("option.speculative_draft_model: an encoder does not generate")
     if options.rolling_batch == "lean":
         raise UnsupportedModel(f"option.rolling_batch=lean: {config.get('model_type')} is an encoder, which the "
                                "lean engine's own model code does not run (auto serves its embeddings)")

@@ -21,6 +21,7 @@ from handler.engine.core.request import RequestState, Sequence, Vocabulary
 from handler.engine.core.sampler import SampleResult, sample
 from handler.engine.lean.beams import BeamSteps
 from handler.engine.lean.scheduler import Scheduler
+from handler.engine.lean.speculate import Speculation, Speculator
 from handler.engine.runners.base import Runner, StepOutput, StepPlan
 from handler.engine.types import (
     ErrorKind,
@@ -40,7 +41,7 @@ class StepLoop:
     """The scheduler, the runner and the sampler around the requests in flight; runs on the engine thread only."""
 
     def __init__(self, runner: Runner, vocab: Vocabulary, limits: EngineLimits, admission: AdmissionControl,
-                 pooling: Pooling | str = "") -> None:
+                 pooling: Pooling | str = "", speculation: Speculation | None = None) -> None:
         self.runner, self.vocab, self.limits, self.admission = runner, vocab, limits, admission
         self.pooling = pooling        # how embeddings pool (a str: the model cannot embed)
         self.embeddings: collections.deque[EmbeddingJob] = collections.deque()  # jobs with inputs not yet run
@@ -49,6 +50,8 @@ class StepLoop:
         self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
         self.num_sampled = 0          # tokens sampled since the last report
         self._beams = BeamSteps(vocab, limits, self.scheduler)
+        self.speculator = None if speculation is None else Speculator(
+            speculation, runner.space, limits.max_step_tokens, runner.space.sort_key)
         self.reported = (0, 0, 0)     # prefix-cache queries and hits, and preemptions, at the last report
 
     @property
@@ -102,9 +105,20 @@ class StepLoop:
         if self.embeddings:
             self._embed()
         plan = self.scheduler.schedule()
+        if self.speculator is not None and plan.decode:
+            self._draft(plan)
         if not plan.is_empty:
             self._run(plan)
-        return len(plan.decode)
+        return len(plan.decode) + len(plan.verify)
+
+    def _draft(self, plan: StepPlan) -> None:
+        """Drafts for the step (``speculate``); a drafter that fails costs the step its drafts, nothing else."""
+        try:
+            self.speculator.draft(plan)
+        except Exception:
+            log.exception("drafting failed; this step decodes without drafts")
+            plan.decode[:] = sorted(plan.decode + list(plan.verify), key=self.scheduler.space.sort_key)
+            plan.verify.clear()
 
     def _run(self, plan: StepPlan) -> None:
         try:
@@ -117,6 +131,8 @@ class StepLoop:
 
     def _postprocess(self, output: StepOutput) -> None:
         prompt_logprobs.record(output.prompt_logits, self.vocab.special_token_ids)  # before the first events
+        for sequence, drafts, rows in output.verified:
+            self._verify(sequence, drafts, rows)
         sequences, logits = self._fork_completed_prompts(output)
         if any(s.is_beam for s in sequences):
             sequences, logits = self._beams.step(sequences, logits)
@@ -169,6 +185,28 @@ class StepLoop:
         for job, count in batch:
             job.put(vectors[row:row + count])
             row += count
+
+    def _verify(self, sequence: Sequence, drafts: tuple[int, ...], logits) -> None:
+        """Speculative decoding (``speculate``): sample each row in turn with the sequence's own sampler and accept
+        the token; go on while it equals the draft. The cache keeps the positions of the accepted tokens."""
+        cached = sequence.num_cached - 1 - len(drafts)  # before the step (``advance`` counted every row)
+        accepted = 0
+        for row in range(len(drafts) + 1):
+            try:
+                result = sample(logits[row:row + 1], [sequence.row])
+            except Exception as error:
+                self.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
+                break
+            self._emit(sequence, result, 0)
+            matched = row < len(drafts) and result.token_ids[0] == drafts[row]
+            accepted += matched
+            if sequence.finish_reason is not None or not matched:
+                break
+        self.speculator.num_drafted += len(drafts)
+        self.speculator.num_accepted += accepted
+        if sequence.finish_reason is None:
+            sequence.num_cached = cached + 1 + accepted  # the next token and the accepted drafts; the rest is rewritten
+            self.speculator.speculation.drafter.verified(sequence)
 
     def _sample_one_by_one(self, sequences: list[Sequence], logits) -> None:
         for row, sequence in enumerate(sequences):
@@ -238,6 +276,8 @@ class StepLoop:
         if sequence.is_beam:
             self._beams.end(sequence.request, reason, error, error_kind)
             return
+        if self.speculator is not None:
+            self.speculator.speculation.drafter.forget(sequence)
         sequence.finish_reason = reason
         self.scheduler.remove(sequence)
         base = event or TokenEvent(index=sequence.index, token_id=None, text="")

@@ -155,7 +155,15 @@ class DecoderModel:
         groups = s.num_heads // s.num_kv_heads
         keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
         # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        out = _attend(q.view(n, s.num_kv_heads, groups, s.head_dim), keys, values, mask, self.spec.attn_softcap, sinks)
+        q = q.view(n, s.num_kv_heads, groups, s.head_dim)
+        if n > 1 and keys.stride(0) == 0:
+            # one slot's keys read by several rows (speculative decoding's drafts, ``KVStore.decode_view``): row by
+            # row, as each position's lone decode row is computed (a batched matmul over the stride-0 view rounds
+            # differently, measured: 4e-6)
+            out = torch.cat([_attend(q[i:i + 1], keys[i:i + 1], values[i:i + 1], mask[i:i + 1], self.spec.attn_softcap,
+                                     sinks) for i in range(n)])
+        else:
+            out = _attend(q, keys, values, mask, self.spec.attn_softcap, sinks)
         return out.reshape(n, s.num_heads * s.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,

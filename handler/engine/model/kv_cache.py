@@ -101,6 +101,17 @@ class KVCache:
         return (self.keys[layer, first:first + count, :, :length],
                 self.values[layer, first:first + count, :, :length])
 
+    def write_repeat(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Decode rows of one slot at several positions (speculative decoding's drafts): k, v ``[rows, kv_heads,
+        head_dim]`` at ``positions[i]``."""
+        self.keys[layer][slot, :, positions] = k.transpose(0, 1)
+        self.values[layer][slot, :, positions] = v.transpose(0, 1)
+
+    def repeat_view(self, layer: int, slot: int, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's keys and values as ``rows`` decode rows read them: ``[rows, kv_heads, length, head_dim]``."""
+        return (self.keys[layer, slot:slot + 1, :, :length].expand(rows, -1, -1, -1),
+                self.values[layer, slot:slot + 1, :, :length].expand(rows, -1, -1, -1))
+
     def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: ``[t, kv_heads, head_dim]`` at positions ``start..start+t-1`` of one slot."""
         end = start + k.shape[0]

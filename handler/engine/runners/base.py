@@ -21,10 +21,13 @@ class StepPlan:
 
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]
+    # speculative decoding: decoding sequences (not in ``decode``) whose next token and drafted tokens after it are
+    # computed as decode rows at consecutive positions of their slot, each row's logits returned
+    verify: dict[Sequence, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
 
 class Unbounded:
@@ -60,6 +63,8 @@ class StepOutput:
     logits: torch.Tensor  # [len(sequences), vocab] fp32
     # prefill chunks that score their prompt: (sequence, chunk start, logits [rows, vocab] of positions start, ...)
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    # the plan's verify rows: (sequence, its drafts, logits [1 + len(drafts), vocab] of its next token and drafts)
+    verified: list[tuple[Sequence, tuple[int, ...], torch.Tensor]] = field(default_factory=list)
 
 
 class Runner(Protocol):
@@ -78,10 +83,14 @@ class Runner(Protocol):
 
 
 def advance(plan: StepPlan) -> None:
-    """After a step: every decoded sequence holds one more cached position, every prefill chunk its length."""
+    """After a step: every decoded sequence holds one more cached position (a verified one its next token and drafts),
+    every prefill chunk its length."""
     for sequence in plan.decode:
         if not sequence.is_prefilling:
             sequence.num_cached += 1
+    for sequence, drafts in plan.verify.items():
+        # every computed position counts until the drafts are verified (a slot moved meanwhile keeps them all)
+        sequence.num_cached += 1 + len(drafts)
     for sequence, _start, length in plan.prefill:
         sequence.num_cached += length
         if sequence.resuming and sequence.num_cached == sequence.prefill_target:

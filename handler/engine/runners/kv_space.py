@@ -52,6 +52,14 @@ class SlotRef:
     index: int        # within the class: 0..occupants-1
 
 
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """A decode group of ``rows`` rows that all read and write one slot (``KVSpace.repeat_group``)."""
+
+    ref: SlotRef
+    rows: int
+
+
 @dataclass(slots=True)
 class _SizeClass:
     capacity: int
@@ -205,13 +213,25 @@ class KVSpace:
             self.prefixes.put(key, slab.read(slot, number * PREFIX_BLOCK, (number + 1) * PREFIX_BLOCK))
 
     # ---- attention's view ----------------------------------------------------------------------------------
-    def write_decode(self, layer: int, group: tuple[int, int, int, int], k: torch.Tensor, v: torch.Tensor,
+    def repeat_group(self, owner: Occupant, rows: int) -> Repeat:
+        """The decode-group handle of ``rows`` rows of one slot at consecutive positions (speculative decoding
+        verifies its drafts as decode rows, so each is computed as that position's lone decode row would be)."""
+        return Repeat(owner.kv_slot, rows)
+
+    def write_decode(self, layer: int, group: tuple[int, int, int, int] | Repeat, k: torch.Tensor, v: torch.Tensor,
                      positions: torch.Tensor) -> None:
+        if isinstance(group, Repeat):
+            slab, slot = self._locate(group.ref)
+            slab.write_repeat(layer, slot, k, v, positions)
+            return
         size_class, slab, first, count = group
         self.classes[size_class].slabs[slab].write_decode(layer, (first, count), k, v, positions)
 
-    def decode_view(self, layer: int, group: tuple[int, int, int, int],
+    def decode_view(self, layer: int, group: tuple[int, int, int, int] | Repeat,
                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(group, Repeat):
+            slab, slot = self._locate(group.ref)
+            return slab.repeat_view(layer, slot, group.rows, length)
         size_class, slab, first, count = group
         return self.classes[size_class].slabs[slab].decode_view(layer, (first, count), length)
 

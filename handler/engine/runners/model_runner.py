@@ -112,6 +112,9 @@ class ModelRunner:
             if not sequence.is_prefilling:
                 logit_rows.append(row)
                 sequences.append(sequence)
+        decode_groups = self.space.decode_groups(plan.decode)
+        verify_rows = self._add_verify_rows(plan, tokens, positions, decode_groups)
+        num_decode_rows = len(tokens)
         row = len(tokens)
         embeds = []
         scored = []  # (sequence, start, rows) of the chunks that score their prompt
@@ -130,11 +133,12 @@ class ModelRunner:
                 self.space.load_prefix(sequence, sequence.prefix_kv)
                 sequence.prefix_kv = None
         device = self.model.device
+        num_sampled = len(sequences)
+        logit_rows += [first + i for _sequence, drafts, first in verify_rows for i in range(1 + len(drafts))]
         logit_rows += [r for _sequence, _start, rows in scored for r in rows]
         # attention reads whole key blocks: a row's result then does not depend on how long its neighbours are,
         # and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
-        layout = build_layout(positions[: len(plan.decode)], chunks, self.groups, device,
-                              self.space.decode_groups(plan.decode))
+        layout = build_layout(positions[:num_decode_rows], chunks, self.groups, device, decode_groups)
         logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                                     layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
                                     _join_embeds(embeds, device))
@@ -142,8 +146,24 @@ class ModelRunner:
         if self.space.prefixes.enabled:
             for sequence, _start, _length in plan.prefill:
                 self._store_blocks(sequence)
-        num_sampled = len(sequences)
-        return StepOutput(sequences, logits[:num_sampled].cpu(), prompt_logprobs.split(scored, logits[num_sampled:]))
+        logits = logits.cpu()
+        verified, row = [], num_sampled
+        for sequence, drafts, _first in verify_rows:
+            verified.append((sequence, drafts, logits[row:row + 1 + len(drafts)]))
+            row += 1 + len(drafts)
+        return StepOutput(sequences, logits[:num_sampled], prompt_logprobs.split(scored, logits[row:]), verified)
+
+    def _add_verify_rows(self, plan: StepPlan, tokens: list[int], positions: list[int],
+                         decode_groups: list) -> list[tuple[Sequence, tuple[int, ...], int]]:
+        """A speculating sequence's next token and drafts as decode rows of its slot at consecutive positions
+        (appended to ``tokens``, ``positions`` and the decode groups); returns ``(sequence, drafts, first row)``."""
+        verify_rows = []
+        for sequence, drafts in plan.verify.items():
+            verify_rows.append((sequence, drafts, len(tokens)))
+            tokens += [sequence.next_token, *drafts]
+            positions += range(sequence.num_cached, sequence.num_cached + 1 + len(drafts))
+            decode_groups.append((self.space.repeat_group(sequence, 1 + len(drafts)), 1 + len(drafts)))
+        return verify_rows
 
     def _store_blocks(self, sequence: Sequence) -> None:
         """Offer the prefix store the whole blocks this sequence's prefill has computed so far (never decoded

@@ -91,6 +91,8 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
     }
     if "vision_config" in model_config:  # vLLM sizes its encoder cache and start-up profile by this
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
+    if settings.speculative_draft_model is not None:
+        kwargs["speculative_config"] = speculative_config(settings)
     if tensor * pipeline > 1 and placement.device == "cpu":
         kwargs["distributed_executor_backend"] = "mp"   # worker processes on this machine
         if pipeline > 1 and settings.enforce_eager:
@@ -98,6 +100,17 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
                               "0.32.0 fails its first step in eager mode with pipeline stages (measured here; it "
                               "allocates the stages' intermediate tensors only while compiling); leave it false")
     return kwargs
+
+
+def speculative_config(settings: Settings) -> dict:
+    """vLLM's ``speculative_config`` for option.speculative_draft_model: prompt lookup (``ngram``) with the lean
+    engine's n-gram lengths, or a draft model's folder; option.speculative_length tokens a step either way."""
+    draft = settings.speculative_draft_model.strip()
+    config = {"num_speculative_tokens": settings.speculative_length}
+    if draft in ("ngram", "[ngram]"):
+        return {**config, "method": "ngram", "prompt_lookup_min": settings.prompt_lookup_min,
+                "prompt_lookup_max": settings.prompt_lookup_max}
+    return {**config, "model": draft}
 
 
 def engine_environment(settings: Settings, placement: Placement, environ: dict[str, str]) -> dict[str, str]:
@@ -213,6 +226,10 @@ def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: 
     if beam is not None and beam.width > limits.max_running:
         raise BadRequest(f"beam search with {beam.width} beams needs {beam.width} sequences at once; this server "
                          f"runs {limits.max_running} (option.max_rolling_batch_size)", param=beam.param)
+    if request.speculation is not None:
+        raise Unprocessable("vLLM drafts option.speculative_length tokens a step for every request "
+                            "(speculative_config); a request's own drafting is the lean engine's",
+                            param=request.speculation.param)
     if request.prompt_embeds is not None:
         raise Unprocessable("image embeddings are not passed to the vLLM backend; it takes the images themselves",
                             param=request.prompt_param)
