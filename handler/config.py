@@ -90,11 +90,12 @@ class Settings(BaseModel):
     enforce_eager: bool = False                             # true: no CUDA graphs / torch.compile
     trust_remote_code: bool = False                         # run the checkpoint's own Python code (vLLM)
     # Speculative decoding (LMI's / vLLM's names): a draft model folder (same tokenizer), or "ngram" (prompt lookup:
-    # drafts copied from the context); how many tokens each step drafts; the n-gram lengths prompt lookup matches
+    # drafts copied from the context); how many tokens each step drafts (unset: 5, LMI's default, for a draft model;
+    # 2 for prompt lookup, the fastest measured here: bench/speculative.py); the n-gram lengths prompt lookup matches
     speculative_draft_model: str | None = None
-    speculative_length: int = Field(5, ge=1, le=32)
-    prompt_lookup_min: int = Field(2, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
+    speculative_length: int | None = Field(None, ge=1, le=32)
+    prompt_lookup_min: int = Field(3, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
@@ -205,6 +206,17 @@ class Settings(BaseModel):
     @property
     def model_dir(self) -> Path:
         return Path(self.model_id) if self.model_id else DEFAULT_MODEL_DIR
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens drafted a step: option.speculative_length, else 2 for prompt lookup and 5 for a draft model."""
+        if self.speculative_length is not None:
+            return self.speculative_length
+        return 2 if self.drafts_by_lookup else 5
+
+    @property
+    def drafts_by_lookup(self) -> bool:
+        return (self.speculative_draft_model or "").strip() in ("ngram", "[ngram]")
 
     @property
     def int8_split_sites(self) -> frozenset[str] | None:

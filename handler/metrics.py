@@ -64,6 +64,10 @@ PREFIX_CACHE_HITS = Counter("llm_prefix_cache_hits_tokens_total",
                             "rate is this over llm_prefix_cache_queries_tokens_total.")
 PREEMPTIONS = Counter("llm_preemptions_total",
                       "Running sequences whose KV was given back for memory; each resumes by recomputing it.")
+DRAFT_TOKENS = Counter("llm_spec_decode_draft_tokens_total",
+                       "Tokens drafted for speculative decoding (option.speculative_draft_model).")
+ACCEPTED_TOKENS = Counter("llm_spec_decode_accepted_tokens_total",
+                          "Drafted tokens the model's own sampling agreed with (each saved a step).")
 QUEUE_REJECTIONS = Counter("llm_queue_rejections_total",
                            "Requests refused with 429 because the wait queue was full (option.max_queue_size).")
 REQUEST_TIMEOUTS = Counter("llm_request_timeouts_total",
@@ -96,6 +100,9 @@ def record_step(stats: EngineStats) -> None:
         PREFIX_CACHE_HITS.inc(stats.prefix_cache_hits)
     if stats.num_preemptions:
         PREEMPTIONS.inc(stats.num_preemptions)
+    if stats.num_draft_tokens:
+        DRAFT_TOKENS.inc(stats.num_draft_tokens)
+        ACCEPTED_TOKENS.inc(stats.num_accepted_tokens)
     if stats.batch_size:
         BATCH_SIZE.observe(stats.batch_size)
     if stats.num_sampled:

@@ -52,6 +52,8 @@ class EngineStats:
     prefix_cache_queries: int = 0      # prompt tokens admitted since the previous report
     prefix_cache_hits: int = 0         # of which came from a cached prefix
     num_preemptions: int = 0           # sequences preempted for memory since the previous report
+    num_draft_tokens: int = 0          # speculative decoding: tokens drafted since the previous report
+    num_accepted_tokens: int = 0       # of which the model's own sampling agreed with
 
 
 class GenerationHandle(Protocol):

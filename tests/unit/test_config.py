@@ -144,10 +144,10 @@ def test_unknown_env_key_is_named(env: dict[str, str], environ: dict[str, str], 
 
 
 def test_unknown_properties_key_is_named(env: dict[str, str]) -> None:
-    write_props(env, "option.speculative_draft_model=/m\n")
+    write_props(env, "option.rolling_batch_size_typo=4\n")
     with pytest.raises(ConfigError, match="unknown setting") as info:
         load_settings(env)
-    assert "option.speculative_draft_model" in str(info.value)
+    assert "option.rolling_batch_size_typo" in str(info.value)
 
 
 @pytest.mark.parametrize(("environ", "key", "reason"), [
@@ -308,3 +308,13 @@ def test_a_handler_folder_without_config_json_is_a_model_unless_the_builtin_engi
     assert load_settings({**env, "HF_MODEL_ID": str(folder)}).model_dir == folder
     with pytest.raises(ConfigError, match="config.json is missing"):
         load_settings({**env, "HF_MODEL_ID": str(folder), "OPTION_BUILTIN_ENGINE": "true"})
+
+
+def test_speculative_decoding_defaults_follow_the_drafter(env: dict[str, str]) -> None:
+    """Prompt lookup drafts 2 tokens a step (measured fastest here), a draft model 5 (LMI's default)."""
+    assert load_settings({**env, "OPTION_SPECULATIVE_DRAFT_MODEL": "ngram"}).draft_length == 2
+    assert load_settings({**env, "OPTION_SPECULATIVE_DRAFT_MODEL": "/opt/ml/draft"}).draft_length == 5
+    assert load_settings({**env, "OPTION_SPECULATIVE_DRAFT_MODEL": "[ngram]",
+                          "OPTION_SPECULATIVE_LENGTH": "4"}).draft_length == 4
+    with pytest.raises(ConfigError, match="option.speculative_length"):
+        load_settings({**env, "OPTION_SPECULATIVE_LENGTH": "0"})

@@ -292,8 +292,10 @@ def test_requests_vllm_cannot_serve_are_refused_naming_the_field(bad: Generation
 
 def test_speculative_decoding_maps_onto_vllms_speculative_config() -> None:
     ngram = engine_kwargs(settings(speculative_draft_model="ngram", speculative_length=3), CPU, 2048, SMOLLM2_135M)
-    assert ngram["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                                           "prompt_lookup_max": 4}
+    assert ngram["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+                                           "prompt_lookup_max": 5}
+    default = engine_kwargs(settings(speculative_draft_model="[ngram]"), CPU, 2048, SMOLLM2_135M)
+    assert default["speculative_config"]["num_speculative_tokens"] == 2
     draft = engine_kwargs(settings(speculative_draft_model="/opt/ml/draft"), CPU, 2048, SMOLLM2_135M)
     assert draft["speculative_config"] == {"model": "/opt/ml/draft", "num_speculative_tokens": 5}
     assert "speculative_config" not in engine_kwargs(settings(), CPU, 2048, SMOLLM2_135M)

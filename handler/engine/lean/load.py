@@ -81,8 +81,8 @@ class SpeculationOptions:
 
     draft: str
     length: int = 5
-    lookup_min: int = 2
-    lookup_max: int = 4
+    lookup_min: int = 3
+    lookup_max: int = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +137,8 @@ def speculation_options(settings: Settings) -> SpeculationOptions | None:
     if settings.prompt_lookup_min > settings.prompt_lookup_max:
         raise ConfigError(f"option.prompt_lookup_min={settings.prompt_lookup_min} is above "
                           f"option.prompt_lookup_max={settings.prompt_lookup_max}")
-    draft = "ngram" if draft.strip() in ("ngram", "[ngram]") else draft
-    return SpeculationOptions(draft, settings.speculative_length, settings.prompt_lookup_min,
-                              settings.prompt_lookup_max)
+    draft = "ngram" if settings.drafts_by_lookup else draft
+    return SpeculationOptions(draft, settings.draft_length, settings.prompt_lookup_min, settings.prompt_lookup_max)
 
 
 def chat_template_prefix(tokenizer) -> list[int]:

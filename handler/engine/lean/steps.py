@@ -325,11 +325,15 @@ class StepLoop:
             kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
             kv_cache_budget_bytes=getattr(space, "budget", 0),
             prefix_cache_queries=queries - self.reported[0], prefix_cache_hits=hits - self.reported[1],
-            num_preemptions=preemptions - self.reported[2])
+            num_preemptions=preemptions - self.reported[2],
+            num_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
+            num_accepted_tokens=self.speculator.num_accepted if self.speculator else 0)
         return stats
 
     def mark_reported(self) -> None:
         """The stats so far went to the listener: the next report counts from here."""
         self.num_sampled = 0
+        if self.speculator is not None:
+            self.speculator.num_drafted = self.speculator.num_accepted = 0
         self.reported = (getattr(self.runner, "num_prefix_queries", 0), getattr(self.runner, "num_prefix_hits", 0),
                          self.scheduler.num_preemptions)

@@ -105,12 +105,11 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
 def speculative_config(settings: Settings) -> dict:
     """vLLM's ``speculative_config`` for option.speculative_draft_model: prompt lookup (``ngram``) with the lean
     engine's n-gram lengths, or a draft model's folder; option.speculative_length tokens a step either way."""
-    draft = settings.speculative_draft_model.strip()
-    config = {"num_speculative_tokens": settings.speculative_length}
-    if draft in ("ngram", "[ngram]"):
+    config = {"num_speculative_tokens": settings.draft_length}
+    if settings.drafts_by_lookup:
         return {**config, "method": "ngram", "prompt_lookup_min": settings.prompt_lookup_min,
                 "prompt_lookup_max": settings.prompt_lookup_max}
-    return {**config, "model": draft}
+    return {**config, "model": settings.speculative_draft_model.strip()}
 
 
 def engine_environment(settings: Settings, placement: Placement, environ: dict[str, str]) -> dict[str, str]:
