@@ -265,7 +265,7 @@ class Routes:
     def _renderer(self, generates: str | None = None):
         """The prompt renderer; for a generation request (``generates``: its prompt field) refused first when the
         model serves embeddings only."""
-        if generates is not None and self.service.engine_path == "encoder":
+        if generates is not None and self.service.engine.embeds_only:
             raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings, or a body "
                              "with input on /invocations), not generation", param=generates)
         if not self.service.serves_builtin:  # a user's model.py serves without the built-in engine

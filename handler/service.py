@@ -58,6 +58,7 @@ class HandlerOnly:
     load_error: str | None = None
     is_ready = True
     is_alive = True
+    embeds_only = False
 
     def __init__(self, handler_name: str) -> None:
         self.reason = (f"the built-in engine is not loaded: {handler_name} serves this model on /invocations "

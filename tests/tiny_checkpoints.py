@@ -59,19 +59,20 @@ def add_sentence_transformers_config(path: Path, mode: str, normalize: bool, hid
     return path
 
 
-def build_tiny_bert(path: Path, mode: str = "mean", normalize: bool = True) -> Path:
+def build_tiny_bert(path: Path, mode: str = "mean", normalize: bool = True, hidden: int = 64) -> Path:
     """A tiny random BERT sentence-transformers folder (an encoder, as BGE, E5 and GTE are), with the embedded
     tokenizer (its vocabulary) and sentence-transformers' pooling config."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id or 0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=2 * hidden, max_position_embeddings=128,
+                        pad_token_id=tokenizer.pad_token_id or 0)
     torch.manual_seed(0)
     BertModel(config).eval().save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SMOLLM2_DIR / name, path / name)
-    return add_sentence_transformers_config(path, mode, normalize)
+    return add_sentence_transformers_config(path, mode, normalize, hidden)
 
 
 def reference_embeddings(folder: Path, texts: list[str], mode: str, normalize: bool) -> torch.Tensor:

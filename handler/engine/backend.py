@@ -97,6 +97,11 @@ class EngineBackend(Protocol):
         """Queue a request; raises a ``ServingError`` (naming the field) for one that cannot be served."""
         ...
 
+    @property
+    def embeds_only(self) -> bool:
+        """The model serves embeddings only (an encoder): generation is refused."""
+        ...
+
     def embed(self, request: EmbeddingRequest) -> EmbeddingHandle:
         """Queue inputs to embed; raises a ``ServingError`` for inputs (or a model) that cannot be embedded."""
         ...

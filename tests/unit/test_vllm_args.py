@@ -299,3 +299,16 @@ def test_speculative_decoding_maps_onto_vllms_speculative_config() -> None:
     draft = engine_kwargs(settings(speculative_draft_model="/opt/ml/draft"), CPU, 2048, SMOLLM2_135M)
     assert draft["speculative_config"] == {"model": "/opt/ml/draft", "num_speculative_tokens": 5}
     assert "speculative_config" not in engine_kwargs(settings(), CPU, 2048, SMOLLM2_135M)
+
+
+def test_an_encoder_runs_on_vllms_pooling_runner_with_our_pooling(tmp_path: Path) -> None:
+    from tests.tiny_checkpoints import add_sentence_transformers_config
+
+    add_sentence_transformers_config(tmp_path, "cls", False)
+    bert = {"model_type": "bert", "num_attention_heads": 4, "num_hidden_layers": 2}
+    kwargs = engine_kwargs(settings(model_id=str(tmp_path)), CPU, 512, bert)
+    assert kwargs["runner"] == "pooling"
+    assert kwargs["pooler_config"] == {"seq_pooling_type": "CLS", "use_activation": False}
+    assert "runner" not in engine_kwargs(settings(model_id=str(tmp_path)), CPU, 512, SMOLLM2_135M)
+    with pytest.raises(ConfigError, match="speculative_draft_model"):
+        engine_kwargs(settings(model_id=str(tmp_path), speculative_draft_model="ngram"), CPU, 512, bert)

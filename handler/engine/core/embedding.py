@@ -63,6 +63,11 @@ class EmbeddingJob:
             self.next_input += 1
         return taken
 
+    def take_all(self) -> tuple[tuple[int, ...], ...]:
+        """Every input at once (a backend that batches them itself)."""
+        self.next_input = len(self.request.inputs)
+        return self.request.inputs
+
     def put(self, vectors: torch.Tensor) -> None:
         self.vectors.append(vectors)
         if self.is_taken and sum(len(v) for v in self.vectors) == len(self.request.inputs):

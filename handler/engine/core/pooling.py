@@ -12,9 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from handler.engine.types import Pooling
+
+# model types whose checkpoints are encoders (bidirectional attention, no language-model head to generate with)
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "camembert",
+                           "albert", "deberta", "deberta-v2", "modernbert", "nomic_bert", "new"})
+
+
+def is_encoder(config: dict) -> bool:
+    return config.get("model_type") in ENCODER_TYPES and not config.get("is_decoder", False)
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
@@ -54,9 +60,12 @@ def read_pooling(folder: Path, is_encoder: bool) -> Pooling:
     return Pooling(modes[0], _NORMALIZE in kinds, "sentence-transformers")
 
 
-def pool(states: torch.Tensor, lengths: list[int], pooling: Pooling) -> torch.Tensor:
-    """``states``: ``[inputs, longest, hidden]`` with each input's tokens first (the rest padding); returns
-    ``[inputs, hidden]`` fp32."""
+def pool(states, lengths: list[int], pooling: Pooling):
+    """``states``: ``[inputs, longest, hidden]`` tensor with each input's tokens first (the rest padding); returns
+    ``[inputs, hidden]`` fp32. (torch is imported here: the vLLM backend's plain-data arguments read this module's
+    pooling facts without it.)"""
+    import torch
+
     states = states.float()
     if pooling.mode == "cls":
         pooled = states[:, 0]

@@ -121,6 +121,11 @@ class Engine:
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
 
+    @property
+    def embeds_only(self) -> bool:
+        """An encoder checkpoint: embeddings only."""
+        return self._loaded is not None and self._loaded.path == "encoder"
+
     def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
         """Queue inputs to embed; raises ``ServingError`` when this model cannot embed them."""
         if not self.is_ready:

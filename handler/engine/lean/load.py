@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from handler.config import Settings, memory_amount
 from handler.engine.backend import EngineLimits
 from handler.engine.core.constraints import GrammarCompiler
-from handler.engine.core.pooling import UnsupportedPooling, read_pooling
+from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
 from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.lean.draft import DraftModel
 from handler.engine.lean.engine import LoadedModel
@@ -30,7 +30,7 @@ from handler.engine.model.kv_cache import whole_blocks
 from handler.engine.model.linear import describe_cpu
 from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
-from handler.engine.runners.encoder_runner import EncoderRunner, is_encoder
+from handler.engine.runners.encoder_runner import EncoderRunner
 from handler.engine.runners.hf_runner import TransformersRunner
 from handler.engine.runners.kv_space import KVSpace
 from handler.engine.runners.model_runner import ModelRunner

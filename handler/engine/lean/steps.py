@@ -72,16 +72,15 @@ class StepLoop:
         return Sequence.create(state, index, self.vocab, self.limits.max_model_len)
 
     def warm_up(self, generates: bool = True) -> None:
-        """Two generations before /ping says ready: one shaped like a lone chat request (the shared template
-        prefix copied in, a short prefill, one decoding row), then one like the largest step (a full prefill chunk,
-        then every slot decoding).
+        """Two generations before /ping says ready (an encoder: one embedding): one shaped like a lone chat request
+        (the shared template prefix copied in, a short prefill, one decoding row), then one like the largest step (a
+        full prefill chunk, then every slot decoding).
 
         The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
         allocator already holds the largest working set.
         """
-        if not isinstance(self.pooling, str):
+        if not generates:  # an encoder: one embedding instead
             self.runner.embed([tuple(range(1, 9))], self.pooling)
-        if not generates:
             return
         prefix = self.runner.prefix_ids
         prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)

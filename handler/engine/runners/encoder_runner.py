@@ -16,14 +16,6 @@ from handler.engine.core.pooling import pool
 from handler.engine.runners.base import StepOutput, StepPlan, Unbounded
 from handler.engine.types import Pooling
 
-# model types whose checkpoints are encoders (bidirectional attention, no language-model head to generate with)
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "camembert",
-                           "albert", "deberta", "deberta-v2", "modernbert", "nomic_bert", "new"})
-
-
-def is_encoder(config: dict) -> bool:
-    return config.get("model_type") in ENCODER_TYPES and not config.get("is_decoder", False)
-
 
 @torch.inference_mode()
 def transformers_embed(model, inputs: list[tuple[int, ...]], pooling: Pooling, pad_id: int) -> torch.Tensor:

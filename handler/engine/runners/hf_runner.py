@@ -94,7 +94,6 @@ class TransformersRunner:
     def clear_prefix_cache(self) -> None:
         return None
 
-    @torch.inference_mode()
     def embed(self, inputs: list[tuple[int, ...]], pooling: Pooling) -> torch.Tensor:
         """Pooled final hidden states of the inputs, through the checkpoint's base model (``encoder_runner``)."""
         if self.vision:
@@ -102,6 +101,7 @@ class TransformersRunner:
                                 "models only", param="input")
         return transformers_embed(self.model, inputs, pooling, self.model.config.pad_token_id or 0)
 
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
         if self.vision:

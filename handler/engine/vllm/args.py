@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from handler.config import Settings
 from handler.engine.backend import EngineLimits
 from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
 from handler.engine.types import GenerationRequest, GrammarSpec
 from handler.errors import BadRequest, ConfigError, Unprocessable
 
@@ -93,6 +94,8 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:
         kwargs["speculative_config"] = speculative_config(settings)
+    if is_encoder(model_config):
+        kwargs.update(pooling_kwargs(settings))
     if tensor * pipeline > 1 and placement.device == "cpu":
         kwargs["distributed_executor_backend"] = "mp"   # worker processes on this machine
         if pipeline > 1 and settings.enforce_eager:
@@ -100,6 +103,19 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
                               "0.32.0 fails its first step in eager mode with pipeline stages (measured here; it "
                               "allocates the stages' intermediate tensors only while compiling); leave it false")
     return kwargs
+
+
+def pooling_kwargs(settings: Settings) -> dict:
+    """An encoder (BERT and kin) runs on vLLM's pooling runner, which embeds and never generates; its pooling is
+    ours (``core.pooling``: the checkpoint's sentence-transformers files), so both backends pool alike."""
+    if settings.speculative_draft_model is not None:
+        raise ConfigError("option.speculative_draft_model: an encoder does not generate")
+    try:
+        pooling = read_pooling(settings.model_dir, is_encoder=True)
+    except UnsupportedPooling as error:
+        raise ConfigError(f"this encoder cannot be served: {error}") from None
+    return {"runner": "pooling", "pooler_config": {"seq_pooling_type": pooling.mode.upper(),
+                                                   "use_activation": pooling.normalize}}
 
 
 def speculative_config(settings: Settings) -> dict:

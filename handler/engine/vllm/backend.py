@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Sequence, Vocabulary
 from handler.engine.types import (
     EmbeddingRequest,
@@ -35,7 +39,7 @@ from handler.engine.types import (
 from handler.engine.vllm.args import check_request, fit_prompt
 from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
-from handler.errors import NotReady, Unprocessable
+from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ class VllmBackend:
         self._choices: ChoiceRunner | None = None   # once vLLM has started (``requests``)
         self._beams: BeamRunner | None = None       # beam requests (``beams``)
         self._last_stats: EngineStats | None = None
+        self._embeds_only = False      # an encoder on vLLM's pooling runner
+        self._ids = itertools.count()
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -107,6 +113,9 @@ class VllmBackend:
         """Queue a request; raises ``ServingError`` (naming the field) for one that cannot be served."""
         if not self.is_ready or self._stopping.is_set():
             raise NotReady("the server is stopping" if self._stopping.is_set() else "the model is not ready yet")
+        if self._embeds_only:
+            raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings)",
+                             param=request.prompt_param)
         request = fit_prompt(request, self.limits)
         check_request(request, self.limits, self._vocab_size)
         if request.grammar is not None:
@@ -117,12 +126,46 @@ class VllmBackend:
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
 
-    def embed(self, request: EmbeddingRequest):
-        """vLLM embeds with its pooling runner, an engine started for that task alone: this backend's engine
-        generates."""
-        raise Unprocessable("embeddings are not served on the vLLM backend (vLLM embeds with an engine of its own, "
-                            "its pooling runner); serve the model with option.rolling_batch=auto or lean",
-                            param=request.param)
+    @property
+    def embeds_only(self) -> bool:
+        """An encoder: vLLM's pooling runner serves it, for embeddings only."""
+        return self._embeds_only
+
+    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
+        """Inputs to embed, on vLLM's pooling runner (an encoder's engine). A generating engine does not embed: vLLM
+        embeds with an engine of its own."""
+        if not self._embeds_only:
+            raise Unprocessable("embeddings are not served on the vLLM backend for a generating model (vLLM embeds "
+                                "with an engine of its own, its pooling runner); serve the model with "
+                                "option.rolling_batch=auto or lean", param=request.param)
+        if not self.is_ready or self._stopping.is_set():
+            raise NotReady("the server is stopping" if self._stopping.is_set() else "the model is not ready yet")
+        check_inputs(request, self.limits.max_model_len, self._vocab_size)
+        job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), lambda: self.is_alive,
+                           self._admission.timeout_error)
+        asyncio.run_coroutine_threadsafe(self._embed(job), self._loop)
+        return job
+
+    async def _embed(self, job: EmbeddingJob) -> None:
+        """Every input as a vLLM pooling request at once (vLLM batches them); the job answers all or none."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        async def one(index: int, ids: tuple[int, ...]) -> list[float]:
+            outputs = self._engine.encode(TokensPrompt(prompt_token_ids=list(ids)), PoolingParams(task="embed"),
+                                          f"{job.request.request_id}-{index}-{next(self._ids)}")
+            last = None
+            async for output in outputs:
+                last = output
+            return last.outputs.data.tolist()
+
+        try:
+            vectors = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(job.take_all())))
+        except Exception as error:  # this request fails; the engine and other requests go on
+            log.exception("vLLM embedding %s failed", job.request.request_id)
+            job.fail(EngineError(f"embedding failed: {type(error).__name__}: {error}"))
+            return
+        job.put(torch.tensor(vectors, dtype=torch.float32))
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         return Sequence.create(state, index, self._vocab, self.limits.max_model_len)
@@ -151,7 +194,13 @@ class VllmBackend:
         prepared = self._prepare()
         self._vocab = prepared.vocabulary
         started = time.monotonic()
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**prepared.engine_kwargs))
+        kwargs = dict(prepared.engine_kwargs)
+        self._embeds_only = kwargs.get("runner") == "pooling"
+        if "pooler_config" in kwargs:
+            from vllm.config import PoolerConfig
+
+            kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._vocab_size = self._engine.model_config.get_vocab_size()
         self._choices = ChoiceRunner(self._engine, self._vocab, self.limits, self._forget)
         self._beams = BeamRunner(self._engine, self._vocab, self._vocab_size, self.limits, self._forget)
@@ -161,9 +210,14 @@ class VllmBackend:
 
     async def _warm_up(self) -> None:
         """One short generation before /ping says ready, so the first request pays no first-call costs."""
-        from vllm import SamplingParams
+        from vllm import PoolingParams, SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self._embeds_only:
+            async for _ in self._engine.encode(TokensPrompt(prompt_token_ids=list(range(1, 9))),
+                                               PoolingParams(task="embed"), "warm-up"):
+                pass
+            return
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, detokenize=False)
         async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))), params, "warm-up"):
             pass
