@@ -307,7 +307,7 @@ def test_an_encoder_runs_on_vllms_pooling_runner_with_our_pooling(tmp_path: Path
     add_sentence_transformers_config(tmp_path, "cls", False)
     bert = {"model_type": "bert", "num_attention_heads": 4, "num_hidden_layers": 2}
     kwargs = engine_kwargs(settings(model_id=str(tmp_path)), CPU, 512, bert)
-    assert kwargs["runner"] == "pooling"
+    assert kwargs["runner"] == "pooling" and kwargs["enable_prefix_caching"] is False
     assert kwargs["pooler_config"] == {"seq_pooling_type": "CLS", "use_activation": False}
     assert "runner" not in engine_kwargs(settings(model_id=str(tmp_path)), CPU, 512, SMOLLM2_135M)
     with pytest.raises(ConfigError, match="speculative_draft_model"):

