@@ -109,8 +109,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``ServingError`` for one that cannot be served."""
-        if not self.is_ready:
-            raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+        self._check_ready()
         if self._loaded.path == "encoder":
             raise BadRequest(f"this model serves embeddings only (POST /v1/embeddings): {self._loaded.path_reason}",
                              param=request.prompt_param)
@@ -126,10 +125,13 @@ class Engine:
         """An encoder checkpoint: embeddings only."""
         return self._loaded is not None and self._loaded.path == "encoder"
 
-    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
-        """Queue inputs to embed; raises ``ServingError`` when this model cannot embed them."""
+    def _check_ready(self) -> None:
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
+
+    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
+        """Queue inputs to embed; raises ``ServingError`` when this model cannot embed them."""
+        self._check_ready()
         if isinstance(self._loaded.embedding, str):
             raise BadRequest(f"this model cannot embed: {self._loaded.embedding}", param=request.param)
         check_inputs(request, self.limits.max_model_len, self._loaded.vocab_size)

@@ -181,8 +181,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     device = torch.device(options.device)
     model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
     if options.quantize:
-        stats = calibrate(model, calibration_ids(options.model_dir, loader, result))
-        smooth_and_quantize(model, stats, SPLIT if options.int8_split is None else options.int8_split)
+        _quantize(model, calibration_ids(options.model_dir, loader, result), options)
         log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
     loader.join()
     tokenizer = result["tokenizer"]
@@ -224,16 +223,20 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
         raise UnsupportedModel(f"option.speculative_draft_model={spec.draft!r}: the lean engine cannot run it: "
                                f"{error}") from None
     draft = DecoderModel(folder, dtype=model.dtype, device=model.device, config=config)
-    if options.quantize:
-        stats = calibrate(draft, Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
-            CALIBRATION_TEXT, add_special_tokens=False).ids)
-        smooth_and_quantize(draft, stats, SPLIT if options.int8_split is None else options.int8_split)
+    if options.quantize:  # the draft's tokenizer.json is the model's (checked above)
+        _quantize(draft, calibration_ids(folder, None, {}), options)
     # the draft's cache may take the share of the target's budget its tokens' size is of the target's
     budget = runner.space.budget * draft.kv_bytes_per_token() // model.kv_bytes_per_token()
     log.info("speculative decoding: draft model %s, %d tokens a step, KV budget %.0f MiB", folder.name, spec.length,
              budget / 2**20)
     return Speculation(DraftModel(draft, model.shape.vocab_size, budget, options.max_running, options.max_model_len),
                        spec.length, "draft model")
+
+
+def _quantize(model: DecoderModel, calibration: list[int], options: LoadOptions) -> None:
+    """int8 as option.int8_split says, smoothed on the calibration tokens (the model's, and a draft's)."""
+    smooth_and_quantize(model, calibrate(model, calibration),
+                        SPLIT if options.int8_split is None else options.int8_split)
 
 
 def check_same_vocabulary(model_dir: Path, draft_dir: Path) -> None:
@@ -375,8 +378,8 @@ def _capture(function: Callable[[], object]) -> object:
         return error
 
 
-def calibration_ids(model_dir: Path, loader: threading.Thread, result: dict) -> list[int]:
-    """CALIBRATION_TEXT as token ids, from tokenizer.json directly when there is one."""
+def calibration_ids(model_dir: Path, loader: threading.Thread | None, result: dict) -> list[int]:
+    """CALIBRATION_TEXT as token ids, from tokenizer.json when there is one (else from what ``loader`` loads)."""
     fast = model_dir / "tokenizer.json"
     if fast.is_file():
         return Tokenizer.from_file(str(fast)).encode(CALIBRATION_TEXT, add_special_tokens=False).ids

@@ -111,8 +111,7 @@ class VllmBackend:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``ServingError`` (naming the field) for one that cannot be served."""
-        if not self.is_ready or self._stopping.is_set():
-            raise NotReady("the server is stopping" if self._stopping.is_set() else "the model is not ready yet")
+        self._check_ready()
         if self._embeds_only:
             raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings)",
                              param=request.prompt_param)
@@ -126,6 +125,10 @@ class VllmBackend:
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
 
+    def _check_ready(self) -> None:
+        if not self.is_ready or self._stopping.is_set():
+            raise NotReady("the server is stopping" if self._stopping.is_set() else "the model is not ready yet")
+
     @property
     def embeds_only(self) -> bool:
         """An encoder: vLLM's pooling runner serves it, for embeddings only."""
@@ -138,8 +141,7 @@ class VllmBackend:
             raise Unprocessable("embeddings are not served on the vLLM backend for a generating model (vLLM embeds "
                                 "with an engine of its own, its pooling runner); serve the model with "
                                 "option.rolling_batch=auto or lean", param=request.param)
-        if not self.is_ready or self._stopping.is_set():
-            raise NotReady("the server is stopping" if self._stopping.is_set() else "the model is not ready yet")
+        self._check_ready()
         check_inputs(request, self.limits.max_model_len, self._vocab_size)
         job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), lambda: self.is_alive,
                            self._admission.timeout_error)
