@@ -9,7 +9,6 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    HF_HUB_OFFLINE=1 \
     PATH=/opt/venv/bin:$PATH
 
 # Python 3.11 from Debian, in a venv. (libgomp and friends ship inside the torch wheel.)

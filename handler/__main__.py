@@ -27,6 +27,7 @@ from pathlib import Path
 
 from handler.config import Settings, load_settings
 from handler.djl import find_entry_point
+from handler.download import fetch_model
 from handler.errors import ConfigError
 from handler.preflight import preflight
 from handler.worker import DeadlineWorker
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings()
         if args.host:
             settings = settings.model_copy(update={"host": args.host})
+        settings = fetch_model(settings)  # a Hub id or an s3:// prefix: downloaded now, /ping 503 meanwhile
         if find_entry_point(settings.model_dir, settings.entryPoint) is None:  # a user's model.py may serve it
             preflight(settings)
     except ConfigError as error:

@@ -7,8 +7,9 @@ Precedence, highest first (LMI's rules, so LMI users can move over):
   one table of them (nothing else in the server reads an environment name for a setting);
 - the properties file: ``$SERVING_PROPERTIES``, else ``serving.properties`` in the model directory, else the one
   shipped at the repository root.
-The model: ``option.model_id`` when set (a local folder; hub ids are refused: no network at run time), else the
-SageMaker model directory ``/opt/ml/model`` when it holds a model, else the embedded default in ``model_store/``.
+The model: ``option.model_id`` when set (a local folder, a Hub id ``org/name`` or an ``s3://`` prefix, the last two
+downloaded at start by ``handler.download``), else the SageMaker model directory ``/opt/ml/model`` when it holds a
+model, else the embedded default in ``model_store/``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ENV_NAMES = {
     # SageMaker's
     "SAGEMAKER_MODEL_SERVER_TIMEOUT": "request_timeout",
     "SAGEMAKER_CONTAINER_LOG_LEVEL": "log_level",
+    "HF_MODEL_REVISION": "revision",
     "SAGEMAKER_BIND_TO_PORT": "port",
     "SAGEMAKER_MODEL_SERVER_WORKERS": "workers",
     "SAGEMAKER_MODEL_SERVER_THREADS": "threads",
@@ -73,6 +75,16 @@ class Settings(BaseModel):
 
     engine: Literal["Python"] = "Python"
     model_id: str | None = None
+    # A model downloaded at start (handler/download/): the Hub revision (branch, tag or commit; also
+    # HF_MODEL_REVISION), the folder downloads go to (unset: huggingface_hub's cache for Hub ids, HF_HOME's
+    # rules; ~/.cache/sagemaker-llm/s3 for S3), and pt: also take a repo whose weights are only pickled (.bin),
+    # converted to safetensors once after the download (vLLM's --load-format name)
+    revision: str | None = None
+    download_dir: str | None = None
+    load_format: Literal["safetensors", "pt"] = "safetensors"
+    # the name the OpenAI routes answer to and report (vLLM's --served-model-name); unset: the Hub id, else the
+    # model folder's name
+    served_model_name: str | None = None
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
     # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
     quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
@@ -362,13 +374,20 @@ def holds_model(folder: Path) -> bool:
     return (folder / "config.json").is_file() or (folder / "model.py").is_file()
 
 
+def is_remote(model_id: str | None) -> bool:
+    """A model id that names a download (``handler.download``) rather than a folder: ``s3://...``, or ``org/name``
+    where no such folder exists."""
+    if not model_id or Path(model_id).exists():
+        return False
+    return "://" in model_id or re.fullmatch(r"[\w.-]+/[\w.-]+", model_id) is not None
+
+
 def check_model_dir(settings: Settings) -> None:
+    """The model folder holds a model (a remote model id is checked by ``handler.download`` once downloaded)."""
     model_id, folder = settings.model_id, settings.model_dir
+    if is_remote(model_id):
+        return
     if model_id and not folder.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", model_id) or "://" in model_id:
-            raise ConfigError(f"option.model_id={model_id!r} is not a local folder; this container does not "
-                              "download models at run time: put the model in /opt/ml/model or point "
-                              "option.model_id (or HF_MODEL_ID) at a folder")
         raise ConfigError(f"option.model_id={model_id!r}: no such folder")
     has_handler = settings.entryPoint is not None or (folder / "model.py").is_file()
     if not (folder / "config.json").is_file() and not (has_handler and settings.builtin_engine != "true"):

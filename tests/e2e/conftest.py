@@ -52,10 +52,10 @@ def wait_for_ping(url: str, process: subprocess.Popen, log_path: Path, timeout: 
     raise RuntimeError(f"server did not become ready in {timeout} s:\n{log_path.read_text()[-3000:]}")
 
 
-def start_server(tmp_path: Path, env: dict[str, str] | None = None) -> RunningServer:
-    """The server on a free port, with the settings ``make serve`` and the image run (int8 on this CPU) unless
-    ``env`` says otherwise; a test that needs other settings names them there and says why."""
-    port = free_port()
+def start_server(tmp_path: Path, env: dict[str, str] | None = None, port: int | None = None) -> RunningServer:
+    """The server on a free port (or ``port``), with the settings ``make serve`` and the image run (int8 on this
+    CPU) unless ``env`` says otherwise; a test that needs other settings names them there and says why."""
+    port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
     environ = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "SERVER_HOST": "127.0.0.1",
                "SAGEMAKER_MODEL_DIR": str(tmp_path / "no-sagemaker-model"), **(env or {})}

@@ -24,7 +24,8 @@ LAYERS = [
     ("metrics", ["handler.metrics"]),
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
-    ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight"]),
+    ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight",
+                "handler.download"]),
     ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
                "handler.disconnect", "handler.assemble_model", "handler.worker", "handler.request_reader"]),
 ]

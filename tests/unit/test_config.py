@@ -186,13 +186,57 @@ def test_int8_split_without_int8_is_refused() -> None:
     assert resolve(Settings(int8_split="all"), cuda_available=False).quantize
 
 
-@pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model", "https://x/y"])
-def test_hub_id_is_refused_with_no_download_message(env: dict[str, str], model_id: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        load_settings({**env, "HF_MODEL_ID": model_id})
-    message = str(info.value)
-    assert repr(model_id) in message
-    assert "does not download models at run time" in message
+@pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model"])
+def test_a_hub_id_or_s3_prefix_is_a_download(env: dict[str, str], model_id: str) -> None:
+    """Accepted by the settings; the master downloads it before any worker starts (tests/e2e/test_download.py)."""
+    from handler.config import is_remote
+
+    assert load_settings({**env, "HF_MODEL_ID": model_id}).model_id == model_id and is_remote(model_id)
+
+
+def test_another_url_scheme_is_refused_in_one_line(env: dict[str, str]) -> None:
+    from handler.download import fetch_model
+
+    with pytest.raises(ConfigError, match="'https://x/y': not a folder, a Hub id .org/name. or an s3:// prefix"):
+        fetch_model(load_settings({**env, "HF_MODEL_ID": "https://x/y"}))
+
+
+LISTING = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+           "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer.model",
+           "chat_template.jinja", "README.md", ".gitattributes", "original/consolidated.00.pth", "onnx/model.onnx",
+           "pytorch_model.bin", "1_Pooling/config.json", "modeling_custom.py", "model.gguf"]
+
+
+def test_only_what_serving_reads_is_downloaded_from_the_hub() -> None:
+    from handler.download.files import serving_files
+
+    wanted = serving_files(LISTING, Settings(), "org/m")
+    assert sorted(wanted) == sorted(["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                                     "tokenizer.json", "tokenizer.model", "chat_template.jinja",
+                                     "1_Pooling/config.json"])
+    assert "modeling_custom.py" in serving_files(LISTING, Settings(trust_remote_code=True), "org/m")
+
+
+def test_pickled_weights_only_are_refused_unless_load_format_pt() -> None:
+    from handler.download.files import serving_files
+
+    pickled = ["config.json", "tokenizer.json", "pytorch_model.bin", "training_args.bin"]
+    with pytest.raises(ConfigError, match=r"org/m has only pickled weights \(pytorch_model.bin\).*"
+                                          "set option.load_format=pt"):
+        serving_files(pickled, Settings(), "org/m")
+    assert "pytorch_model.bin" in serving_files(pickled, Settings(load_format="pt"), "org/m")
+    with pytest.raises(ConfigError, match="org/m holds no \\*.safetensors weights"):
+        serving_files(["config.json", "model.gguf"], Settings(), "org/m")
+
+
+def test_an_s3_prefix_brings_everything_but_pickles_beside_safetensors() -> None:
+    from handler.download.files import serving_files
+
+    files = serving_files(["model.py", "serving.properties", "requirements.txt", "model.safetensors",
+                           "pytorch_model.bin", "config.json"], Settings(), "s3://b/p/", everything=True)
+    assert sorted(files) == ["config.json", "model.py", "model.safetensors", "requirements.txt",
+                             "serving.properties"]
 
 
 def test_missing_local_folder(env: dict[str, str], tmp_path: Path) -> None:
