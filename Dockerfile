@@ -34,7 +34,9 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
 # The application last: editing it rebuilds only these layers.
 COPY serving.properties ./
 COPY handler/ handler/
-RUN python -m compileall -q handler
+# LMI's handler API (from djl_python import Input, Output), importable from the working directory as handler is
+COPY djl_python/ djl_python/
+RUN python -m compileall -q handler djl_python
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true

@@ -22,10 +22,10 @@ bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run
 
 fmt: venv
-	$(PY) -m ruff format handler tests bench devtools
+	$(PY) -m ruff format handler djl_python tests bench devtools
 
 lint: venv
-	$(PY) -m ruff check handler tests bench devtools
+	$(PY) -m ruff check handler djl_python tests bench devtools
 
 # vLLM's engine behind the same server (option.rolling_batch=vllm), in its own environment: vLLM pins an older
 # transformers, and the default venv must not pay its 3.5 GB or import it. VENV_VLLM may point outside the clone
