@@ -43,6 +43,8 @@ ENV_NAMES = {
     "SAGEMAKER_MODEL_SERVER_WORKERS": "workers",
     "SAGEMAKER_MODEL_SERVER_THREADS": "threads",
     "SM_NUM_GPUS": "tensor_parallel_degree",
+    # DJL Serving's name for option.entryPoint
+    "DJL_ENTRY_POINT": "entryPoint",
     # ours, for the process
     "SERVER_HOST": "host",
     "SERVER_GRACEFUL_TIMEOUT": "graceful_timeout",
@@ -59,6 +61,20 @@ ROLLING_BATCH_REFUSED = {
     "trtllm": "TensorRT-LLM is not in this image; use auto, lean, transformers or vllm",
 }
 ROLLING_BATCH_VALUES = ("auto", "lean", "transformers", "vllm")
+# LMI's built-in handlers (option.entryPoint) that this server's built-in handler replaces: the option.rolling_batch
+# each runs on (None: as set, auto by default). Any other djl_python.* handler is refused (LMI_ENTRY_POINTS_REFUSED).
+LMI_ENTRY_POINTS = {
+    "djl_python.huggingface": None,
+    "djl_python.lmi_vllm.vllm_async_service": "vllm",
+}
+_NOT_HERE = ("is not in this container; leave option.entryPoint unset for the built-in handler (option.rolling_batch="
+             "auto, lean, transformers or vllm) or name your own model.py")
+LMI_ENTRY_POINTS_REFUSED = {
+    "djl_python.tensorrt_llm": f"TensorRT-LLM {_NOT_HERE}",
+    "djl_python.lmi_trtllm.trtllm_async_service": f"TensorRT-LLM {_NOT_HERE}",
+    "djl_python.transformers_neuronx": f"AWS Neuron (transformers-neuronx) {_NOT_HERE}",
+    "djl_python.deepspeed": f"DeepSpeed {_NOT_HERE}",
+}
 # option.quantize values vLLM takes (checkpoints quantised by these methods); the lean engine takes auto, none and
 # dynamic_int8 only
 VLLM_QUANTIZE = ("awq", "gptq", "fp8", "bitsandbytes")
@@ -170,6 +186,13 @@ class Settings(BaseModel):
             return tuple(host.strip() for host in value.split(",") if host.strip())
         return value
 
+    @field_validator("entryPoint")
+    @classmethod
+    def _known_lmi_entry_point(cls, value: str | None) -> str | None:
+        if value is None or value in LMI_ENTRY_POINTS or not value.startswith("djl_python."):
+            return value
+        raise ValueError(LMI_ENTRY_POINTS_REFUSED.get(value, f"LMI's handler {value} {_NOT_HERE}"))
+
     @field_validator("int8_split")
     @classmethod
     def _known_int8_sites(cls, value: str) -> str:
@@ -218,6 +241,11 @@ class Settings(BaseModel):
     @property
     def model_dir(self) -> Path:
         return Path(self.model_id) if self.model_id else DEFAULT_MODEL_DIR
+
+    @property
+    def custom_entry_point(self) -> str | None:
+        """``entryPoint`` when it names the user's handler; None for LMI's built-in ones, which ours replaces."""
+        return None if self.entryPoint in LMI_ENTRY_POINTS else self.entryPoint
 
     @property
     def draft_length(self) -> int:
@@ -344,10 +372,13 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     path = properties_path(environ, model_root)
     raw = {_setting_name(k): v for k, v in parse_properties(path.read_text()).items()} if path else {}
     raw.update(env_overrides(environ))
+    if "entrypoint" in raw:  # OPTION_ENTRYPOINT, as LMI's own examples spell it
+        raw["entryPoint"] = raw.pop("entrypoint")
     named_by = {}  # setting -> the environment name that filled it (errors name what the user wrote)
     for name, alias in ENV_NAMES.items():  # they only fill what ours leave unset
         if name in environ and alias not in raw:
             raw[alias], named_by[alias] = environ[name], name
+    apply_lmi_entry_point(raw)
     if not raw.get("model_id") and holds_model(model_root):
         raw["model_id"] = str(model_root)
     try:
@@ -367,6 +398,24 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if lean_only or (settings.rolling_batch == "auto" and not vllm_installed()):
         check_lean_settings(settings, named_by)
     return settings
+
+
+def apply_lmi_entry_point(raw: dict[str, str]) -> None:
+    """LMI's vLLM handler as ``option.entryPoint``: the built-in handler on vLLM (option.rolling_batch=vllm unless
+    set; set to another engine, the two contradict each other and the start stops naming both)."""
+    entry_point = raw.get("entryPoint")
+    wanted = LMI_ENTRY_POINTS.get(entry_point or "")
+    if wanted is None:
+        return
+    chosen = raw.get("rolling_batch", "auto")
+    if chosen not in ("auto", wanted):
+        raise ConfigError(f"option.entryPoint={entry_point!r} runs on {wanted}, and option.rolling_batch={chosen!r} "
+                          f"names another engine: set option.rolling_batch={wanted} or leave it unset")
+    if not vllm_installed():
+        raise ConfigError(f"option.entryPoint={entry_point!r} is LMI's vLLM handler, and vLLM is not installed in "
+                          "this environment: leave option.entryPoint unset for the built-in engine (the cuda image "
+                          "has vLLM)")
+    raw["rolling_batch"] = wanted
 
 
 def holds_model(folder: Path) -> bool:
@@ -389,7 +438,7 @@ def check_model_dir(settings: Settings) -> None:
         return
     if model_id and not folder.exists():
         raise ConfigError(f"option.model_id={model_id!r}: no such folder")
-    has_handler = settings.entryPoint is not None or (folder / "model.py").is_file()
+    has_handler = settings.custom_entry_point is not None or (folder / "model.py").is_file()
     if not (folder / "config.json").is_file() and not (has_handler and settings.builtin_engine != "true"):
         hint = " (run `make model` to assemble the embedded default)" if folder == DEFAULT_MODEL_DIR else ""
         raise ConfigError(f"option.model_id: {folder} holds no model (config.json is missing){hint}")

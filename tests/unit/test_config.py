@@ -133,6 +133,57 @@ def test_entry_point_keeps_its_case(env: dict[str, str]) -> None:
     assert load_settings({**env, "OPTION_entryPoint": "my_handler.py"}).entryPoint == "my_handler.py"
 
 
+@pytest.mark.parametrize("environ", [
+    {"OPTION_ENTRYPOINT": "my_handler.py"},      # as LMI's own examples spell it (lower-cased by the OPTION_ rule)
+    {"DJL_ENTRY_POINT": "my_handler.py"},        # DJL Serving's name
+], ids=["OPTION_ENTRYPOINT", "DJL_ENTRY_POINT"])
+def test_lmis_spellings_of_the_entry_point_name_the_handler(env: dict[str, str], environ: dict[str, str]) -> None:
+    settings = load_settings({**env, **environ})
+    assert settings.entryPoint == settings.custom_entry_point == "my_handler.py"
+
+
+def test_a_lower_case_entry_point_in_serving_properties_names_the_handler(env: dict[str, str]) -> None:
+    write_props(env, "option.entrypoint=my_handler.py\n")
+    assert load_settings(env).entryPoint == "my_handler.py"
+
+
+def test_lmis_huggingface_entry_point_is_our_builtin_handler(env: dict[str, str]) -> None:
+    settings = load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.huggingface", "OPTION_ROLLING_BATCH": "lean"})
+    assert settings.custom_entry_point is None and settings.rolling_batch == "lean"
+    assert load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.huggingface"}).rolling_batch == "auto"
+
+
+def test_lmis_vllm_entry_point_runs_on_vllm(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("handler.config.vllm_installed", lambda: True)
+    settings = load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service"})
+    assert settings.rolling_batch == "vllm" and settings.custom_entry_point is None
+    with pytest.raises(ConfigError, match="option.rolling_batch='lean' names another engine"):
+        load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service",
+                       "OPTION_ROLLING_BATCH": "lean"})
+
+
+def test_lmis_vllm_entry_point_without_vllm_says_what_to_do(env: dict[str, str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("handler.config.vllm_installed", lambda: False)
+    with pytest.raises(ConfigError, match="vLLM is not installed .*leave option.entryPoint unset"):
+        load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service"})
+
+
+@pytest.mark.parametrize(("entry_point", "why"), [
+    ("djl_python.tensorrt_llm", "TensorRT-LLM is not in this container"),
+    ("djl_python.lmi_trtllm.trtllm_async_service", "TensorRT-LLM is not in this container"),
+    ("djl_python.transformers_neuronx", "AWS Neuron (transformers-neuronx) is not in this container"),
+    ("djl_python.sklearn_handler", "LMI's handler djl_python.sklearn_handler is not in this container"),
+])
+def test_lmis_other_entry_points_are_refused_saying_what_to_set(env: dict[str, str], entry_point: str,
+                                                                why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({**env, "OPTION_ENTRYPOINT": entry_point})
+    message = str(info.value)
+    assert f"option.entryPoint={entry_point!r}" in message and why in message
+    assert "leave option.entryPoint unset" in message and "\n" not in message
+
+
 @pytest.mark.parametrize(("environ", "key"), [
     ({"OPTION_FOO_BAR": "1"}, "option.foo_bar"),
     ({"OPTION_Max_Model_Len": "64"}, "option.Max_Model_Len"),
