@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = settings.model_copy(update={"host": args.host})
         settings = fetch_model(settings)  # a Hub id or an s3:// prefix: downloaded now, /ping 503 meanwhile
         # a user's model.py may serve it (a named .py that is not there stops the start here)
-        if find_entry_point(settings.model_dir, settings.custom_entry_point) is None:
+        if find_entry_point(settings.model_dir, settings.entryPoint) is None:
             preflight(settings)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -438,7 +438,8 @@ def check_model_dir(settings: Settings) -> None:
         return
     if model_id and not folder.exists():
         raise ConfigError(f"option.model_id={model_id!r}: no such folder")
-    has_handler = settings.custom_entry_point is not None or (folder / "model.py").is_file()
+    has_handler = settings.custom_entry_point is not None or (settings.entryPoint is None and
+                                                              (folder / "model.py").is_file())
     if not (folder / "config.json").is_file() and not (has_handler and settings.builtin_engine != "true"):
         hint = " (run `make model` to assemble the embedded default)" if folder == DEFAULT_MODEL_DIR else ""
         raise ConfigError(f"option.model_id: {folder} holds no model (config.json is missing){hint}")

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from handler.config import LMI_ENTRY_POINTS
 from handler.errors import ConfigError
 
 _builtin: Callable[[Input], Output] | None = None
@@ -320,9 +321,12 @@ def set_builtin(handle: Callable[[Input], Output]) -> None:
 
 
 def find_entry_point(model_dir: Path, entry_point: str | None) -> str | None:
-    """``option.entryPoint`` when set, else ``model.py`` in the model directory when it exists. A relative ``.py``
+    """``option.entryPoint`` when set, else ``model.py`` in the model directory when it exists; None when LMI's
+    built-in handler is named (ours serves, and a ``model.py`` beside it is not used, as in LMI). A relative ``.py``
     path names a file in the model directory (LMI's rule), else one relative to the working directory; a ``.py``
     file that is in neither is a ``ConfigError``, so the start stops in the master with one line."""
+    if entry_point in LMI_ENTRY_POINTS:
+        return None
     if not entry_point:
         candidate = model_dir / "model.py"
         return str(candidate) if candidate.is_file() else None

@@ -102,7 +102,7 @@ class ModelService:
         self.renderer: PromptRenderer | None = None
         self.engine_path: str | None = None  # "lean" or "transformers" once loaded
         self._num_threads = num_threads
-        entry_point = find_entry_point(settings.model_dir, settings.custom_entry_point)
+        entry_point = find_entry_point(settings.model_dir, settings.entryPoint)
         self.handler_properties = {k: str(v) for k, v in settings.model_dump().items() if v is not None}
         self.handler_properties["model_dir"] = str(settings.model_dir)
         self.user_handler = UserHandler(entry_point, self.handler_properties) if entry_point else None

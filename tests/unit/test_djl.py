@@ -56,5 +56,8 @@ def test_a_relative_entry_point_file_is_in_the_model_directory(tmp_path: Path) -
     assert find_entry_point(tmp_path, "my_handler.py") == str(tmp_path / "my_handler.py")
     assert find_entry_point(tmp_path, "some.module") == "some.module"
     assert find_entry_point(tmp_path, None) is None
+    (tmp_path / "model.py").write_text("def handle(inputs):\n    return None\n")
+    assert find_entry_point(tmp_path, None) == str(tmp_path / "model.py")
+    assert find_entry_point(tmp_path, "djl_python.huggingface") is None    # LMI's built-in: ours, not model.py
     with pytest.raises(ConfigError, match="option.entryPoint='missing.py': no such file"):
         find_entry_point(tmp_path, "missing.py")
