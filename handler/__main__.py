@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from handler.config import Settings, load_settings
-from handler.djl import find_entry_point
+from handler.djl import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError
 from handler.preflight import preflight
@@ -131,6 +131,15 @@ def stop_on_load_failure(reason: str) -> None:
 STOPPED_MESSAGE = "the server is stopping (SIGTERM) and this request did not finish within its grace period"
 
 
+def handler_load_failure(error: Exception) -> Exception:
+    """A user's handler that cannot load (or settings the worker refuses): gunicorn's ``AppImportError`` prints its
+    message as one line, logs the traceback only at debug level (option.log_level=debug), and stops the master with
+    exit 4 ("App failed to load") instead of retrying the worker."""
+    from gunicorn.errors import AppImportError
+
+    return AppImportError(f"error: {error}")
+
+
 def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
     from handler.lifecycle import Drain
@@ -139,8 +148,11 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
-    service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage,
-                           on_load_failed=stop_on_load_failure)
+    try:
+        service = ModelService(settings, num_threads=num_threads, on_loaded=release_load_garbage,
+                               on_load_failed=stop_on_load_failure)
+    except (HandlerLoadError, ConfigError) as error:
+        raise handler_load_failure(error) from error
     drain = Drain(grace_s, lambda: service.engine.stop(STOPPED_MESSAGE))
     drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
