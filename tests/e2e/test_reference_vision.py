@@ -1,5 +1,6 @@
-"""A VLM the lean path cannot run (tiny LLaVA-NeXT), served on the transformers path through the real server: a
-chat request with a base64 image answers what transformers' own greedy ``generate`` answers."""
+"""VLMs the lean path cannot run (tiny LLaVA-NeXT; tiny Qwen2-VL, whose processor is loaded without its video
+processor), served on the transformers path through the real server: a chat request with a base64 image answers what
+transformers' own greedy ``generate`` answers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import requests
 import torch
 from PIL import Image
 
+from handler.engine.model.processor import load_processor
 from tests.e2e.conftest import start_server, stop_server
 from tests.vision_fixture import SMOLLM2_DIR, build_tiny_vlm
 
@@ -29,9 +31,9 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 def expected_text(folder, picture: bytes, question: str) -> str:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(str(folder))
+    processor = load_processor(folder)  # AutoProcessor's, but for Qwen2-VL without video (no torchvision here)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -42,8 +44,9 @@ def expected_text(folder, picture: bytes, question: str) -> str:
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def test_llava_next_chat_with_a_base64_image_on_the_transformers_path(tmp_path) -> None:
-    folder = build_tiny_vlm(tmp_path / "tiny-llava-next", "llava_next")
+@pytest.mark.parametrize("architecture", ["llava_next", "qwen2_vl"])
+def test_chat_with_a_base64_image_on_the_transformers_path(tmp_path, architecture: str) -> None:
+    folder = build_tiny_vlm(tmp_path / f"tiny-{architecture}", architecture)
     picture, question = png(40, 24, 7), "What is in this picture?"
     expected = expected_text(folder, picture, question)
     server = start_server(tmp_path, {"OPTION_MODEL_ID": str(folder), "OPTION_MAX_MODEL_LEN": "512",
