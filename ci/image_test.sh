@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the image (ci/image.sh), start it the way SageMaker does (`IMAGE serve`, SAGEMAKER_BIND_TO_PORT), and check
-# /ping, a legacy request, a chat request, a streamed request, and a clean stop on SIGTERM (exit 0, not 137).
+# /ping, a legacy request, a chat request, a streamed request, and a clean stop on SIGTERM (exit 0, not 137). Then
+# a Hub id in the image: HF_MODEL_ID=org/smollm2 downloaded from a loopback Hub stand-in (tests/hub_stand_in.py)
+# through HF_ENDPOINT, served, and answering.
 # Loopback only: host networking with the server bound to 127.0.0.1. The container is removed by id, always.
 #   IMAGE (sagemaker-llm:latest)  SKIP_BUILD=1 to test an image already built  READY_TIMEOUT (300 s)
 set -euo pipefail
@@ -107,5 +109,32 @@ if [ "$code" != 0 ]; then
   fail "exit code $code after SIGTERM (want 0)"
 fi
 podman rm "$cid" >/dev/null
+cid=""
+
+podman run --rm --entrypoint python "$IMAGE" -c "import djl_python.encode_decode, boto3, huggingface_hub" \
+  || fail "the image lacks djl_python, boto3 or huggingface_hub"
+hub_log=$(mktemp)
+.venv/bin/python -m tests.hub_stand_in org/smollm2=model_store/smollm2-135m-instruct >"$hub_log" 2>&1 &
+hub_pid=$!
+trap 'cleanup; kill $hub_pid 2>/dev/null || true' EXIT
+for _ in $(seq 100); do grep -q '^http' "$hub_log" && break; sleep 0.1; done
+hub_url=$(grep -m1 '^http' "$hub_log") || fail "the Hub stand-in did not start: $(cat "$hub_log")"
+t0=$(now)
+cid=$(podman run -d --network host -e SAGEMAKER_BIND_TO_PORT="$port" -e SERVER_HOST=127.0.0.1 \
+  -e HF_MODEL_ID=org/smollm2 -e HF_ENDPOINT="$hub_url" "$IMAGE" serve) || fail "podman run (Hub id) failed"
+deadline=$(( $(date +%s) + READY_TIMEOUT ))
+until [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$url/ping" || true)" = 200 ]; do
+  [ "$(podman inspect "$cid" --format '{{.State.Running}}' 2>/dev/null || echo false)" = true ] \
+    || fail "the container serving a Hub id exited before /ping answered 200"
+  [ "$(date +%s)" -lt "$deadline" ] || fail "/ping not 200 after ${READY_TIMEOUT} s (Hub id)"
+  sleep 0.5
+done
+step "Hub id: container start -> download -> /ping 200: $(since "$t0") s"
+podman logs "$cid" 2>&1 | grep -q "download: downloaded org/smollm2" || fail "no download line in the log"
+answer=$(curl -s -m 60 "$url/invocations" -H 'Content-Type: application/json' \
+  -d '{"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}')
+echo "$answer" | grep -q generated_text || fail "the Hub-id server did not answer: $answer"
+curl -s "$url/v1/models" | grep -q '"org/smollm2"' || fail "/v1/models does not name org/smollm2"
+podman stop -t 30 "$cid" >/dev/null && podman rm "$cid" >/dev/null
 cid=""
 step "passed"

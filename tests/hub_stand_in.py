@@ -155,3 +155,20 @@ def slowly(body: bytes, seconds: float, parts: int = 50):
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main() -> None:
+    """``python -m tests.hub_stand_in org/name=FOLDER ...``: serve until killed; prints the endpoint (ci/image_test.sh
+    points a container's HF_ENDPOINT at it)."""
+    import sys
+
+    with HubStandIn() as hub:
+        for argument in sys.argv[1:]:
+            repo_id, folder = argument.split("=", 1)
+            hub.add(repo_id, Path(folder))
+        print(hub.url, flush=True)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ connection lost mid-shard; a download long enough to watch or to interrupt)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ class S3StandIn:
     def __enter__(self) -> S3StandIn:
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request would bury the output
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.moto.start()
         self.proxy = Proxy(self.moto.get_host_and_port()[1]).__enter__()

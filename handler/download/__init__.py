@@ -26,8 +26,7 @@ from handler.errors import ConfigError
 def fetch_model(settings: Settings) -> Settings:
     """The settings with ``option.model_id`` at a local folder: downloaded first when it names the Hub or S3."""
     if not is_remote(settings.model_id):
-        offline_from_now()
-        return settings
+        return settings  # a folder: the environment as the user set it (a model.py may use the Hub itself)
     source = remote_source(settings)
     progress = Progress(source.name)
     with Standby(settings.host, settings.port, lambda: progress.status) as standby, stop_on_sigterm(source.name):
@@ -59,8 +58,8 @@ def remote_source(settings: Settings):
 
 
 def offline_from_now() -> None:
-    """The workers never reach the Hub: set for them (and for a huggingface_hub the master already imported, whose
-    constants were read at import)."""
+    """The workers serve the downloaded folder and never reach the Hub: set for them (and for the huggingface_hub the
+    master imported, whose constants were read at import)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is not None:

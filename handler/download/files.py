@@ -21,7 +21,10 @@ def serving_files(paths: list[str], settings: Settings, name: str, everything: b
     top = [p for p in paths if "/" not in p or (p.split("/")[0][:1].isdigit() and p.endswith(".json"))]
     has_safetensors = any(p.endswith(".safetensors") for p in top)
     pickled = [p for p in top if p.endswith(PICKLED) and p != "training_args.bin"]
-    if not has_safetensors and "model.py" not in top:
+    # a handler without weights: an S3 prefix is the user's own artefact; from the Hub its code runs only when
+    # option.trust_remote_code says so
+    handler_only = "model.py" in top and (everything or settings.trust_remote_code)
+    if not has_safetensors and not handler_only:
         if not pickled:
             raise ConfigError(f"{name} holds no *.safetensors weights (and no model.py handler)")
         if settings.load_format != "pt":

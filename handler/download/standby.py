@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from handler.errors import ConfigError
+
 
 class Standby:
     def __init__(self, host: str, port: int, status: Callable[[], str]) -> None:
@@ -38,7 +40,10 @@ class Standby:
             def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's signature)
                 return None  # health checks every few seconds would drown the progress lines
 
-        self.server = ThreadingHTTPServer((self.host, self.port), Answer)
+        try:
+            self.server = ThreadingHTTPServer((self.host, self.port), Answer)
+        except OSError as error:
+            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {error.strerror}") from None
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, name="standby", daemon=True).start()
