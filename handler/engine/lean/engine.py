@@ -216,18 +216,17 @@ class Engine:
 
     # ---- engine thread ------------------------------------------------------------------------------------
     def _main(self) -> None:
-        try:
-            self._loaded = self._load()
+        try:  # a model that loads but cannot run a step fails here too, in its warm-up (``StepLoop.warm_up``)
+            self._loaded = loaded = self._load()
+            vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
+            self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding,
+                                         loaded.speculation)
+            loop.warm_up(generates=loaded.path != "encoder")
         except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
-            self.load_error = f"{type(error).__name__}: {error}"
+            self.load_error = " ".join(f"{type(error).__name__}: {error}".split())
             log.exception("model load failed")
             self._on_failed(self.load_error)
             return
-        loaded = self._loaded
-        vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
-        self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding,
-                                     loaded.speculation)
-        loop.warm_up(generates=loaded.path != "encoder")
         self._on_ready()
         self._ready.set()
         idle_since = time.monotonic()

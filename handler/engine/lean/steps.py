@@ -37,6 +37,10 @@ from handler.errors import EngineError, NotReady
 log = logging.getLogger(__name__)
 
 
+class WarmUpFailed(RuntimeError):
+    """The model cannot run a generation step the way requests run it; the server refuses to start (one line)."""
+
+
 class StepLoop:
     """The scheduler, the runner and the sampler around the requests in flight; runs on the engine thread only."""
 
@@ -53,6 +57,7 @@ class StepLoop:
         self.speculator = None if speculation is None else Speculator(
             speculation, runner.space, limits.max_step_tokens, runner.space.sort_key)
         self.reported = (0, 0, 0)     # prefix-cache queries and hits, and preemptions, at the last report
+        self.step_error: Exception | None = None  # the last failure of a runner step (warm-up names it)
 
     @property
     def has_work(self) -> bool:
@@ -77,7 +82,9 @@ class StepLoop:
         full prefill chunk, then every slot decoding).
 
         The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
-        allocator already holds the largest working set.
+        allocator already holds the largest working set. It is also the start's check that the model can serve at
+        all: a warm-up generation that ends in an error (a forward that raises, non-finite logits) raises
+        ``WarmUpFailed`` with the reason, so a model that would fail every request never says it is ready.
         """
         if not generates:  # an encoder: one embedding instead
             self.runner.embed([tuple(range(1, 9))], self.pooling)
@@ -90,12 +97,24 @@ class StepLoop:
                 continue
             request = GenerationRequest("warm-up", prompt_ids=prompt_ids, n=n,
                                         stop=StopConditions(max_new_tokens=4, ignore_eos=True))
-            self.scheduler.add(RequestState(request, self.new_sequence))
+            state = RequestState(request, self.new_sequence)
+            self.scheduler.add(state)
             while self.scheduler.has_work:
                 self.step()
+            self._check_warm_up(state)
         self.num_sampled = 0  # warm-up tokens are not traffic
         self.runner.clear_prefix_cache()
         self.scheduler.space.release()  # traffic's KV grows from a small slab
+
+    def _check_warm_up(self, state: RequestState) -> None:
+        """Raise ``WarmUpFailed`` (one line: the step's own exception when one was raised) if the warm-up failed."""
+        while not state.events.empty():
+            event = state.events.get_nowait()
+            if event.error is not None:
+                cause = self.step_error
+                reason = f"{type(cause).__name__}: {cause}" if cause is not None else event.error
+                raise WarmUpFailed(" ".join(f"the model cannot run a generation step (prefill, then decode, as "
+                                            f"requests run): {reason}".split()))
 
     def step(self) -> int:
         """One engine step: schedule, run the model once, sample and emit. Returns the batch size."""
@@ -124,6 +143,7 @@ class StepLoop:
             self._postprocess(self.runner.run(plan))
         except Exception as error:  # the batch's requests end with an error event; the engine goes on
             log.exception("engine step failed")
+            self.step_error = error
             for sequence in self.scheduler.running_sequences():
                 if sequence.finish_reason is None:
                     self.finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
