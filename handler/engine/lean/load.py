@@ -334,6 +334,8 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
     is_vision = vision.is_vision_model(read_config(options.model_dir))
     runner = TransformersRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
                                   vision=is_vision)
+    if runner.stepping.note:
+        reason = f"{reason}; {runner.stepping.note}"
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
     grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,

@@ -10,7 +10,10 @@ layer a plain full-attention cache, and a probe at load finds two sequences of d
 equal to each alone): the caches are left-padded into one batch cache with the padding masked out, each row at its
 own position. Elsewhere (sliding windows, linear attention, a model that reads padding its own way) each sequence
 decodes as a batch of one. The numbers are transformers' own (batched, as its own batched ``generate`` computes
-them); the path is slower than the lean one.
+them); the path is slower than the lean one. A recurrent-state family's cache is its ``cache_params`` (mamba). How a
+text model steps is chosen at load (``hf_stepping``): the model's steps must give its own uncached logits, else each
+prompt runs in one forward, else every step recomputes the whole sequence without a cache (exact, slower); a model
+whose forward fails outright is refused at load with the reason.
 
 A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
 transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
@@ -38,6 +41,7 @@ from handler.engine.core import prompt_logprobs
 from handler.engine.core.request import Sequence
 from handler.engine.runners.base import StepOutput, StepPlan, Unbounded, advance
 from handler.engine.runners.encoder_runner import transformers_embed
+from handler.engine.runners.hf_stepping import Stepping, probe_stepping
 from handler.engine.types import Pooling
 from handler.errors import Unprocessable
 
@@ -49,9 +53,11 @@ class _OwnCaches(Unbounded):
 
     def __init__(self) -> None:
         self.caches: dict[Sequence, object] = {}
+        self.prompt_logits: dict[Sequence, torch.Tensor] = {}  # a prompt computed whole, until its last chunk
 
     def free(self, owner: Sequence) -> None:
         self.caches.pop(owner, None)
+        self.prompt_logits.pop(owner, None)
 
     def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
         """Give a forked choice its own copy of the prompt's cache."""
@@ -59,6 +65,7 @@ class _OwnCaches(Unbounded):
 
     def release(self) -> None:
         self.caches.clear()
+        self.prompt_logits.clear()
 
 
 class TransformersRunner:
@@ -72,7 +79,13 @@ class TransformersRunner:
         self.vision = vision
         # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
         self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
-        self.shares_steps = not vision and self._probe_sharing()  # decode rows of a step in one forward
+        # recurrent-state families (mamba, falcon_mamba) take and return their cache as ``cache_params``
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache_params" if "cache_params" in parameters else "past_key_values"
+        self._takes_positions = "position_ids" in parameters
+        self.stepping = Stepping() if vision else probe_stepping(self)  # how a text model's steps run
+        self.shares_steps = self.stepping.chunked and self._probe_sharing()  # decode rows of a step in one forward
+        self._prompt_logits = self.space.prompt_logits
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -106,6 +119,8 @@ class TransformersRunner:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
         if self.vision:
             return self._run_generate(plan)
+        if not self.stepping.chunked:
+            return self._run_whole(plan)
         scored = []
         # a prefilling sequence's decode row only holds its slot's place
         sequences = [sequence for sequence in plan.decode if not sequence.is_prefilling]
@@ -196,12 +211,63 @@ class TransformersRunner:
     def _forward(self, sequence: Sequence, token_ids: list[int], start: int, keep: int = 1) -> torch.Tensor:
         """The last ``keep`` positions' logits (0: every position's), ``[rows, vocab]``, after feeding ``token_ids``
         at positions ``start..`` into the slot's cache."""
+        logits, self._caches[sequence] = self.forward_cached(self._caches[sequence], token_ids, start, keep)
+        return logits
+
+    def forward_cached(self, cache, token_ids: list[int], start: int, keep: int = 1) -> tuple[torch.Tensor, object]:
+        """``_forward`` on a given cache: the logits rows and the cache the model hands back."""
         positions = torch.arange(start, start + len(token_ids), device=self.device)
-        output = self.model(input_ids=torch.tensor([token_ids], device=self.device),
-                            past_key_values=self._caches[sequence],
+        output = self.model(input_ids=torch.tensor([token_ids], device=self.device), **{self._cache_arg: cache},
                             cache_position=positions, position_ids=positions[None], use_cache=True, logits_to_keep=keep)
-        self._caches[sequence] = output.past_key_values
+        return output.logits[0], getattr(output, self._cache_arg)
+
+    def forward_whole(self, token_ids: list[int], keep: int = 1) -> torch.Tensor:
+        """The last ``keep`` positions' logits of ``token_ids`` from position 0, computed without a cache (position
+        ids from 0 where the model takes them, as ``generate`` passes them: roberta's own would start elsewhere)."""
+        ids = torch.tensor([token_ids], device=self.device)
+        positions = {"position_ids": torch.arange(len(token_ids), device=self.device)[None]} if self._takes_positions \
+            else {}
+        output = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep, **positions)
         return output.logits[0]
+
+    # --- text models whose prefill cannot be chunked, or whose cache this path cannot drive (``Stepping``) ---
+
+    def _run_whole(self, plan: StepPlan) -> StepOutput:
+        """Each prompt computed whole on its first planned chunk (the plan's later chunks hand on its rows), and
+        each decode row from the sequence's cache, or (``stepping.cached`` false) a forward over all its tokens."""
+        rows, sequences, scored = [], [], []
+        for sequence in plan.decode:
+            if not sequence.is_prefilling:
+                rows.append(self._decode_one(sequence))
+                sequences.append(sequence)
+        for sequence, start, length in plan.prefill:
+            if start == 0:
+                keep = 0 if sequence.wants_prompt_logprobs else 1
+                self._prompt_logits[sequence] = self._prefill_whole(sequence, keep)
+            logits = self._prompt_logits[sequence]
+            if sequence.wants_prompt_logprobs:
+                wanted = len(prompt_logprobs.scored_rows(sequence, start, length, 0))
+                if wanted:
+                    scored.append((sequence, start, logits[start:start + wanted].float()))
+            if start + length == sequence.prefill_target:
+                rows.append(self._prompt_logits.pop(sequence)[-1])
+                sequences.append(sequence)
+        advance(plan)
+        logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
+        return StepOutput(sequences, logits, scored)
+
+    def _prefill_whole(self, sequence: Sequence, keep: int) -> torch.Tensor:
+        tokens = sequence.tokens(0, sequence.prefill_target)
+        if not self.stepping.cached:
+            self._caches[sequence] = None
+            return self.forward_whole(tokens, keep)
+        logits, self._caches[sequence] = self.forward_cached(self._new_cache(), tokens, 0, keep)
+        return logits
+
+    def _decode_one(self, sequence: Sequence) -> torch.Tensor:
+        if self.stepping.cached:
+            return self._forward(sequence, [sequence.next_token], sequence.num_cached)[-1]
+        return self.forward_whole(sequence.tokens(0, sequence.num_cached + 1))[-1]
 
     # --- vision-language models: driven as transformers' generate drives them ---
 
