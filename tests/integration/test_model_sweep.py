@@ -41,7 +41,7 @@ def test_a_model_whose_steps_fail_is_refused_at_start_naming_the_failure(tmp_pat
     from handler.engine.lean.load import LoadOptions, load
 
     folder = model_sweep.build(tmp_path, "gpt2")
-    options = LoadOptions(folder, "float32", False, "cpu", max_running=2, max_model_len=64)
+    options = LoadOptions(folder, "float32", False, "cpu", max_running=2, max_model_len=64, rolling_batch="auto")
     loaded = load(options, lambda: load_tokenizer(folder))[0]
     assert loaded.path == "transformers"
 
