@@ -130,11 +130,13 @@ until [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$url/ping" || true)" = 2
   sleep 0.5
 done
 step "Hub id: container start -> download -> /ping 200: $(since "$t0") s"
-podman logs "$cid" 2>&1 | grep -q "download: downloaded org/smollm2" || fail "no download line in the log"
+logs=$(podman logs "$cid" 2>&1)  # (not piped into grep -q: pipefail would count podman's SIGPIPE as a failure)
+grep -q "download: downloaded org/smollm2" <<<"$logs" || fail "no download line in the log"
 answer=$(curl -s -m 60 "$url/invocations" -H 'Content-Type: application/json' \
   -d '{"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}')
-echo "$answer" | grep -q generated_text || fail "the Hub-id server did not answer: $answer"
-curl -s "$url/v1/models" | grep -q '"org/smollm2"' || fail "/v1/models does not name org/smollm2"
+grep -q generated_text <<<"$answer" || fail "the Hub-id server did not answer: $answer"
+models=$(curl -s -m 10 "$url/v1/models")
+grep -q '"org/smollm2"' <<<"$models" || fail "/v1/models does not name org/smollm2: $models"
 podman stop -t 30 "$cid" >/dev/null && podman rm "$cid" >/dev/null
 cid=""
 step "passed"
