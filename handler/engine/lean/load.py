@@ -34,6 +34,7 @@ from handler.engine.runners.encoder_runner import EncoderRunner
 from handler.engine.runners.hf_runner import TransformersRunner
 from handler.engine.runners.kv_space import KVSpace
 from handler.engine.runners.model_runner import ModelRunner
+from handler.engine.runners.own_caches import OwnCaches
 from handler.engine.types import Pooling, PromptParts
 from handler.errors import ConfigError
 
@@ -187,7 +188,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
         raise tokenizer
-    budget, how = kv_budget(options, model)
+    budget, how = kv_budget(options, whole_blocks(options.max_model_len) * model.kv_bytes_per_token())
     runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
     check_budget(runner.space, options.max_model_len, how)
     if encoder is None:  # a vision model's template renders through its processor
@@ -336,6 +337,10 @@ def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], obje
                                   vision=is_vision)
     if runner.stepping.note:
         reason = f"{reason}; {runner.stepping.note}"
+    # its caches are budgeted as the lean engine's are, counted as transformers stores them (``own_caches``)
+    budget, how = kv_budget(options, runner.space.bytes_for(options.max_model_len))
+    runner.space.budget = budget
+    check_budget(runner.space, options.max_model_len, how)
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
     grammar = GrammarCompiler(lambda: tokenizer, runner.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
@@ -391,12 +396,11 @@ def calibration_ids(model_dir: Path, loader: threading.Thread | None, result: di
     return result["tokenizer"].encode(CALIBRATION_TEXT, add_special_tokens=False)
 
 
-def kv_budget(options: LoadOptions, model: DecoderModel) -> tuple[int, str]:
-    """The KV cache's byte budget and where it comes from. The default never exceeds what ``max_running``
-    full-length sequences would take."""
+def kv_budget(options: LoadOptions, full_sequence: int) -> tuple[int, str]:
+    """The KV cache's byte budget and where it comes from (``full_sequence``: the bytes one sequence of the
+    context length takes). The default never exceeds what ``max_running`` full-length sequences would take."""
     kv = options.kv_memory
-    per_token = model.kv_bytes_per_token()
-    ceiling = options.max_running * whole_blocks(options.max_model_len) * per_token
+    ceiling = options.max_running * full_sequence
     amount, fraction = memory_amount(kv.amount) if kv.amount is not None else (None, None)
     if amount is not None:
         budget, how = amount, "option.kv_cache_memory"
@@ -417,7 +421,7 @@ def kv_budget(options: LoadOptions, model: DecoderModel) -> tuple[int, str]:
     return budget, how
 
 
-def check_budget(space: KVSpace, max_model_len: int, how: str) -> None:
+def check_budget(space: KVSpace | OwnCaches, max_model_len: int, how: str) -> None:
     """Log the budget; a start error (one line) when it cannot hold one sequence of the context length."""
     one = space.bytes_for(max_model_len)
     if space.budget < one:
@@ -425,7 +429,7 @@ def check_budget(space: KVSpace, max_model_len: int, how: str) -> None:
                           f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
                           "option.kv_cache_memory or lower option.max_model_len")
     log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
-             space.budget // space.bytes_per_token, space.bytes_per_token)
+             space.budget // max(space.bytes_per_token, 1), space.bytes_per_token)
 
 
 # bytes a CUDA step's activations may need beside the KV cache

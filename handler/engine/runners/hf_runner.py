@@ -39,33 +39,17 @@ import torch
 
 from handler.engine.core import prompt_logprobs
 from handler.engine.core.request import Sequence
-from handler.engine.runners.base import StepOutput, StepPlan, Unbounded, advance
+from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.encoder_runner import transformers_embed
 from handler.engine.runners.hf_stepping import Stepping, probe_stepping
+from handler.engine.runners.own_caches import CacheCost, OwnCaches, layer_bytes, window_of
 from handler.engine.types import Pooling
 from handler.errors import Unprocessable
 
 log = logging.getLogger(__name__)
 
-
-class _OwnCaches(Unbounded):
-    """The reference path's KV space: each running sequence's own transformers cache, unbounded."""
-
-    def __init__(self) -> None:
-        self.caches: dict[Sequence, object] = {}
-        self.prompt_logits: dict[Sequence, torch.Tensor] = {}  # a prompt computed whole, until its last chunk
-
-    def free(self, owner: Sequence) -> None:
-        self.caches.pop(owner, None)
-        self.prompt_logits.pop(owner, None)
-
-    def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
-        """Give a forked choice its own copy of the prompt's cache."""
-        self.caches[dst] = copy.deepcopy(self.caches[src])
-
-    def release(self) -> None:
-        self.caches.clear()
-        self.prompt_logits.clear()
+# a shared decode forward copies its sequences' caches into one padded batch cache: at most this share of the budget
+SHARED_COPY_SHARE = 8
 
 
 class TransformersRunner:
@@ -74,8 +58,6 @@ class TransformersRunner:
     def __init__(self, model, vision: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.space = _OwnCaches()
-        self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
         self.vision = vision
         # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
         self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
@@ -83,9 +65,12 @@ class TransformersRunner:
         parameters = inspect.signature(model.forward).parameters
         self._cache_arg = "cache_params" if "cache_params" in parameters else "past_key_values"
         self._takes_positions = "position_ids" in parameters
+        # the KV space, under the budget the loader sets (``lean.load``)
+        self.space = OwnCaches(self._measure_cost())
+        self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
+        self._prompt_logits = self.space.prompt_logits
         self.stepping = Stepping() if vision else probe_stepping(self)  # how a text model's steps run
         self.shares_steps = self.stepping.chunked and self._probe_sharing()  # decode rows of a step in one forward
-        self._prompt_logits = self.space.prompt_logits
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -124,11 +109,7 @@ class TransformersRunner:
         scored = []
         # a prefilling sequence's decode row only holds its slot's place
         sequences = [sequence for sequence in plan.decode if not sequence.is_prefilling]
-        if len(sequences) > 1 and self.shares_steps:
-            rows = list(self._decode_together([self._caches[s] for s in sequences],
-                                              [s.num_cached for s in sequences], [s.next_token for s in sequences]))
-        else:
-            rows = [self._forward(s, [s.next_token], s.num_cached)[-1] for s in sequences]
+        rows = self._decode(sequences)
         for sequence, start, length in plan.prefill:
             if start == 0:
                 self._caches[sequence] = self._new_cache()
@@ -143,6 +124,63 @@ class TransformersRunner:
         advance(plan)
         logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
         return StepOutput(sequences, logits, scored)
+
+    def _decode(self, sequences: list[Sequence]) -> list[torch.Tensor]:
+        """One logits row per decoding sequence, in their order: each group of ``_sharing_groups`` in one forward."""
+        rows: dict[Sequence, torch.Tensor] = {}
+        for group in self._sharing_groups(sequences):
+            if len(group) == 1:
+                rows[group[0]] = self._forward(group[0], [group[0].next_token], group[0].num_cached)[-1]
+                continue
+            together = self._decode_together([self._caches[s] for s in group], [s.num_cached for s in group],
+                                             [s.next_token for s in group])
+            rows.update(zip(group, together, strict=True))
+        return [rows[s] for s in sequences]
+
+    def _sharing_groups(self, sequences: list[Sequence]) -> list[list[Sequence]]:
+        """Decode rows that share a forward: sequences of one size class (up to 256 positions, then doubling, so
+        padding at most doubles a row), while the group's padded batch cache, a copy made for that forward, stays
+        within ``1 / SHARED_COPY_SHARE`` of the KV budget. A long sequence beside short ones decodes alone, and
+        sharing never copies more than that share beside the budget."""
+        if not self.shares_steps:
+            return [[s] for s in sequences]
+        cap = self.space.budget // SHARED_COPY_SHARE
+        groups: list[list[Sequence]] = []
+        for sequence in sorted(sequences, key=lambda s: _size_class(s.num_cached + 1)):
+            group = groups[-1] if groups else []
+            longest = max([s.num_cached + 1 for s in group] + [sequence.num_cached + 1])
+            if (group and _size_class(group[0].num_cached + 1) == _size_class(sequence.num_cached + 1)
+                    and (len(group) + 1) * self.space.bytes_for(longest) <= cap):
+                group.append(sequence)
+            else:
+                groups.append([sequence])
+        return groups
+
+    @torch.inference_mode()
+    def _measure_cost(self) -> CacheCost:
+        """What a sequence's cache holds at a length (``own_caches.CacheCost``), read off a fresh cache of this
+        model after 2 and 4 positions, so a family counts as transformers stores it; counted from the config
+        (every layer keeping every position) when the model cannot run a text-only probe."""
+        saved = [m.rope_deltas for m in self._stateful]
+        try:
+            cache, sizes = self._new_cache(), []
+            for start in (0, 2):
+                positions = torch.arange(start, start + 2, device=self.device)
+                # a VLM finds its own position ids (qwen2_vl's are 3-D)
+                given = {} if self.vision else {"position_ids": positions[None]}
+                output = self.model(input_ids=torch.tensor([[1, 2]], device=self.device), past_key_values=cache,
+                                    cache_position=positions, use_cache=True, logits_to_keep=1, **given)
+                cache = output.past_key_values
+                sizes.append(layer_bytes(cache))
+            cost = CacheCost.between(sizes[0], sizes[1], (2, 4), [window_of(layer) for layer in cache.layers])
+        except Exception as error:  # noqa: BLE001 (any failure: the config's conservative count)
+            log.warning("transformers path: the KV budget counts every layer's keys and values from the config, not "
+                        "any other state the model keeps (the probe failed: %s: %s)", type(error).__name__, error)
+            cost = _config_cost(self.model.config, self.model.dtype)
+        finally:
+            for module, value in zip(self._stateful, saved, strict=True):
+                module.rope_deltas = value
+        return cost
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -339,6 +377,20 @@ class TransformersRunner:
                                                                       is_encoder_decoder=False)
         state.saved = [m.rope_deltas for m in self._stateful]
         return output.logits[0]
+
+
+def _size_class(length: int) -> int:
+    """0 up to 256 positions, then one more each doubling (the lean KV space's size classes)."""
+    return max(0, (length - 1).bit_length() - 8)
+
+
+def _config_cost(config, dtype: torch.dtype) -> CacheCost:
+    """Keys and values of every layer's KV heads at every position, from the (text) config."""
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    element = torch.empty(0, dtype=dtype).element_size()
+    return CacheCost.full_attention(text.num_hidden_layers, 2 * heads * head_dim * element)
 
 
 def _left_pad(states: torch.Tensor, length: int) -> torch.Tensor:
