@@ -40,18 +40,20 @@ def make_engine(loaded, max_step_tokens: int, *, budget: int = 1 << 30, prefix_c
     return engine
 
 
-def engine_on_path(folder: Path, rolling_batch: str, path: str) -> Engine:
-    """A small fp32 CPU engine over ``folder``, loaded as ``option.rolling_batch`` says; asserts it took ``path``
-    (``lean`` or ``transformers``). The caller stops it."""
+def engine_on_path(folder: Path, rolling_batch: str, path: str, kv_cache_memory: str | None = None,
+                   on_stats=None) -> Engine:
+    """A small fp32 CPU engine over ``folder``, loaded as ``option.rolling_batch`` says (and
+    ``option.kv_cache_memory``); asserts it took ``path`` (``lean`` or ``transformers``). The caller stops it."""
     from handler.engine.core.tokenizer import load_tokenizer
-    from handler.engine.lean.load import LoadOptions, choose_path, load
+    from handler.engine.lean.load import KVMemory, LoadOptions, choose_path, load
     from handler.engine.model.family import read_config
 
     options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
-                          rolling_batch=rolling_batch)
+                          rolling_batch=rolling_batch, kv_memory=KVMemory(kv_cache_memory))
     assert choose_path(options, read_config(folder))[0] == path
     loaded = load(options, lambda: load_tokenizer(folder))[0]
-    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16))
+    engine = Engine(lambda: loaded, EngineLimits(max_running=4, max_model_len=128, max_step_tokens=16),
+                    on_stats=on_stats)
     engine.start()
     wait_until_ready(engine, timeout=120)
     return engine
