@@ -49,7 +49,7 @@ from handler.errors import Unprocessable
 log = logging.getLogger(__name__)
 
 # a shared decode forward copies its sequences' caches into one padded batch cache: at most this share of the budget
-SHARED_COPY_SHARE = 8
+SHARED_COPY_SHARE = 4
 
 
 class TransformersRunner:
@@ -324,6 +324,8 @@ class TransformersRunner:
                 ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
                 logits = self._generate_forward(state, ids, first=True, keep=0 if scoring else 1)
                 state.prompt_logits = logits if scoring else logits[-1:]
+                # states the text-only count cannot see (mllama's cross-attention image keys) are reserved from here
+                self.space.settle(sequence, sum(layer_bytes(state.kwargs["past_key_values"])), ids.shape[1])
             state = self._caches[sequence]
             if sequence.wants_prompt_logprobs:
                 wanted = len(prompt_logprobs.scored_rows(sequence, start, length, 0))

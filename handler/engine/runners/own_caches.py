@@ -11,7 +11,10 @@ never pass the budget, so the caches never do.
 What a position costs is read off the model's own cache (``CacheCost.between``: a fresh cache's bytes per layer after
 two lengths), so each family counts as transformers stores it: keys and values of every KV head (MLA's expanded
 heads, an indexer's keys), a sliding or chunked window that stops growing, recurrent and convolution states of a
-fixed size, layers that share another's cache holding nothing.
+fixed size, layers that share another's cache holding nothing. What a text-only probe cannot see (mllama's
+cross-attention keys and values of the images) is counted once the sequence's prefill has computed it (``settle``):
+from then on it is reserved, so later admissions and growth make room for it, but that one prefill may pass the
+budget by its images' states.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class OwnCaches:
         self.caches: dict[Sequence, object] = {}   # sequence -> its cache (a VLM's: its generate state)
         self.reserved: dict[Sequence, int] = {}    # sequence -> bytes its cache may hold
         self.prompt_logits: dict[Sequence, object] = {}  # a prompt computed whole, until its last chunk
+        self.surplus: dict[Sequence, int] = {}     # sequence -> bytes its cache holds beyond ``cost`` (``settle``)
 
     @property
     def num_bytes(self) -> int:
@@ -119,8 +123,16 @@ class OwnCaches:
         what it had)."""
         return self._reserve(owner, length)
 
+    def settle(self, owner: Sequence, held: int, length: int) -> None:
+        """After a prefill of ``length`` positions whose cache holds ``held`` bytes: what it holds beyond the count
+        is reserved with it from now on."""
+        surplus = held - self.bytes_for(length)
+        if surplus > self.surplus.get(owner, 0):
+            self.reserved[owner] = self.reserved.get(owner, 0) + surplus - self.surplus.get(owner, 0)
+            self.surplus[owner] = surplus
+
     def _reserve(self, owner: Sequence, length: int) -> bool:
-        need = self.bytes_for(length)
+        need = self.bytes_for(length) + self.surplus.get(owner, 0)
         held = self.reserved.get(owner, 0)
         if need > held and self.num_bytes - held + need > self.budget:
             return False
@@ -131,16 +143,21 @@ class OwnCaches:
         self.caches.pop(owner, None)
         self.reserved.pop(owner, None)
         self.prompt_logits.pop(owner, None)
+        self.surplus.pop(owner, None)
 
     def copy(self, src: Sequence, dst: Sequence, length: int) -> None:
         """Give a forked choice (placed first, so its room is reserved) its own copy of the prompt's cache."""
         self.caches[dst] = copy.deepcopy(self.caches[src])
+        if extra := self.surplus.get(src, 0) - self.surplus.get(dst, 0):  # its images' states too
+            self.surplus[dst] = self.surplus.get(dst, 0) + extra
+            self.reserved[dst] = self.reserved.get(dst, 0) + extra
 
     def release(self) -> None:
         """No sequence is running: nothing is held."""
         self.caches.clear()
         self.reserved.clear()
         self.prompt_logits.clear()
+        self.surplus.clear()
 
     def sort_key(self, owner: Sequence) -> tuple[int, int]:
         return owner.order
