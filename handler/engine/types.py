@@ -113,7 +113,9 @@ class TextOptions:
 class GrammarSpec:
     """A constraint on the output: every choice is a sentence of this grammar (constrained decoding)."""
 
-    kind: str        # "json_schema" (source: the schema as JSON text) or "lark" (llguidance's Lark dialect)
+    # "json_schema" (source: the schema as JSON text), "lark" (llguidance's Lark dialect), "regex", "choice" (source:
+    # a JSON list of strings) or "grammar" (Lark or llama.cpp's GBNF); ``core.grammars`` reads each
+    kind: str
     source: str
     param: str       # the request field it came from, for error messages
 

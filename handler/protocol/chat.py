@@ -27,6 +27,7 @@ from handler.protocol.common import (
     plan_beams,
     stop_list,
 )
+from handler.protocol.constraints import ConstraintFields
 from handler.protocol.structured import OutputPlan, ResponseFormat, Tool, ToolChoice, plan_output
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -101,7 +102,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
+class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, ConstraintFields):
     model_config = _STRICT
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -138,7 +139,7 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
         """The grammar the engine enforces and the tool-call format the formatter parses (computed once)."""
         if self._plan is None:
             self._plan = plan_output(self.response_format, self.tools, self.tool_choice, self.parallel_tool_calls,
-                                     renderer.tool_format, renderer.tool_marker_id)
+                                     renderer.tool_format, renderer.tool_marker_id, self.constraint())
         return self._plan
 
     def check(self) -> None:
@@ -164,7 +165,7 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
         # beam search without a temperature is greedy, whatever the model's sampling default
         sampling = self.sampling_params(0.0 if self.use_beam_search else default_temperature)
         beam = plan_beams(self.beam_ask(self.best_of, self.n), sampling, self.n, stream=self.stream,
-                          stop=stop_list(self.stop), grammar=plan.grammar is not None,
+                          stop=stop_list(self.stop), grammar=plan.grammar,
                           top_logprobs=self.top_logprobs or 0, top_param="top_logprobs")
         return GenerationRequest(
             request_id=new_request_id("chatcmpl"),

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from handler.engine.types import (
     BeamParams,
     GenerationRequest,
+    GrammarSpec,
     SamplingParams,
     SpeculationParams,
     StopConditions,
@@ -325,7 +326,8 @@ BEAM_ONLY = frozenset({"length_penalty", "early_stopping", "diversity_penalty", 
 
 
 def plan_beams(ask: BeamAsk, sampling: SamplingParams, n: int, *, stream: bool, stop: tuple[str, ...],
-               grammar: bool, top_logprobs: int, top_param: str, prefix: str = "") -> BeamParams | None:
+               grammar: GrammarSpec | None, top_logprobs: int, top_param: str,
+               prefix: str = "") -> BeamParams | None:
     """Beam search when the request asks for it, or (the OVMS reference's rule) when it gives ``best_of`` with
     sampling off: ``best_of`` greedy candidates would all be the same answer, so it is the beam width. What beam
     search cannot take is refused naming the field."""
@@ -341,7 +343,8 @@ def plan_beams(ask: BeamAsk, sampling: SamplingParams, n: int, *, stream: bool, 
                          "(sampling)", param=prefix + ("do_sample" if prefix else "temperature"))
     refusals = [(stream, "stream", "beam search answers once the search is done: it cannot stream"),
                 (bool(stop), prefix + "stop", "stop strings are not applied to beams; use stop_token_ids"),
-                (grammar, "response_format", "beam search does not take an output grammar (response_format, tools)"),
+                (grammar is not None, _grammar_field(grammar),
+                 "beam search does not take an output grammar (response_format, tools, a constraint)"),
                 (top_logprobs > 0, top_param, "beam search reports each chosen token's logprob only"),
                 (n > ask.width, prefix + "n", f"n={n} is more than the {ask.width} beams")]
     for refused, field, message in refusals:
@@ -353,6 +356,13 @@ def plan_beams(ask: BeamAsk, sampling: SamplingParams, n: int, *, stream: bool, 
         raise BadRequest(f"{ask.width} beams do not split into {groups} groups", param=prefix + "num_beam_groups")
     return BeamParams(ask.width, ask.length_penalty, ask.early_stopping, param=param, groups=groups,
                       diversity_penalty=ask.diversity_penalty or 0.0)
+
+
+def _grammar_field(grammar: GrammarSpec | None) -> str:
+    """The field a beam refusal names: ``response_format`` for its schemas, else the constraint's own field."""
+    if grammar is None or grammar.param.startswith(("response_format", "tool_choice")):
+        return "response_format"
+    return grammar.param
 
 
 def new_request_id(prefix: str) -> str:

@@ -44,13 +44,14 @@ from handler.protocol.common import (
     plan_beams,
     stop_list,
 )
+from handler.protocol.constraints import ConstraintFields
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5; lm-evaluation-harness has sent 10)
 
 
-class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
+class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, ConstraintFields):
     model_config = _STRICT
 
     prompt: str | TokenIds | list[TokenIds] | list[str]  # this order: a bad token id is named as one
@@ -113,8 +114,9 @@ class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
         them)."""
         # beam search without a temperature is greedy, whatever the model's sampling default
         sampling = openai_sampling_params(self, 0.0 if self.use_beam_search else default_temperature)
+        grammar = self.constraint()
         beam = plan_beams(self.beam_ask(self.best_of, self.n), sampling, self.n, stream=self.stream,
-                          stop=stop_list(self.stop), grammar=False, top_logprobs=self.logprobs or 0,
+                          stop=stop_list(self.stop), grammar=grammar, top_logprobs=self.logprobs or 0,
                           top_param="logprobs")
         # echo only: one token is generated (the engine always samples one) and dropped
         stop = self.stop_conditions(1 if self.is_echo_only else self.max_tokens, stop_list(self.stop),
@@ -132,6 +134,7 @@ class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields):
                 num_top_logprobs=self.logprobs or 0,
                 prompt_logprobs=self.num_prompt_logprobs,
                 truncate_prompt=self.error_behavior == "truncate",
+                grammar=grammar,
                 prompt_param=self.prompt_param(index),
             )
             for index, ids in enumerate(prompt_ids)

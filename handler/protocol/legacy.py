@@ -24,6 +24,7 @@ from handler.protocol.common import (
     plan_beams,
     stop_list,
 )
+from handler.protocol.constraints import LegacyGrammar
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -56,6 +57,7 @@ class LegacyParameters(StopAndTextFields):
     num_beam_groups: int | None = Field(None, ge=1, le=128)
     truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
+    grammar: LegacyGrammar | None = None          # TGI: a JSON schema or a regex the output follows
 
     def sampling_params(self) -> SamplingParams:
         sampled = self.do_sample or self.temperature not in (None, 0.0) or self.top_p is not None or (
@@ -125,12 +127,14 @@ class LegacyRequest(BaseModel):
         ask = BeamAsk((p.num_beams or 1) > 1, p.num_beams or 1, None, p.length_penalty, p.early_stopping,
                       frozenset(p.model_fields_set & BEAM_ONLY), "parameters.num_beams", p.diversity_penalty,
                       p.num_beam_groups)
-        beam = plan_beams(ask, sampling, 1, stream=self.stream, stop=stop.stop_strings, grammar=False,
+        grammar = p.grammar.spec() if p.grammar is not None else None
+        beam = plan_beams(ask, sampling, 1, stream=self.stream, stop=stop.stop_strings, grammar=grammar,
                           top_logprobs=p.top_n_tokens or 0, top_param="parameters.top_n_tokens", prefix="parameters.")
         keep = p.truncate  # TGI: only the last N tokens of the input
         return [GenerationRequest(request_id=new_request_id("gen"), prompt_ids=tuple(ids[-keep:] if keep else ids),
                                   sampling=sampling, stop=stop, text=p.text_options(), beam=beam,
                                   num_top_logprobs=p.top_n_tokens or 0,
                                   prompt_logprobs=0 if p.decoder_input_details else None,
-                                  truncate_prompt=p.error_behavior == "truncate", prompt_param="inputs")
+                                  truncate_prompt=p.error_behavior == "truncate", grammar=grammar,
+                                  prompt_param="inputs")
                 for ids in prompt_ids]

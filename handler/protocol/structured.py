@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
 from handler.prompt import tool_calls
+from handler.protocol.constraints import only_one
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -86,9 +87,11 @@ def plan_output(
     parallel_tool_calls: bool | None,
     tool_format: str,
     marker_id: int | None = None,
+    constraint: GrammarSpec | None = None,
 ) -> OutputPlan:
-    """What the engine enforces and the formatter parses, after checking the fields agree."""
-    grammar = _response_grammar(response_format)
+    """What the engine enforces and the formatter parses, after checking the fields agree. ``constraint`` is the
+    grammar another constraint field asked for (``protocol.constraints``): one of it and ``response_format``."""
+    grammar = only_one([spec for spec in (_response_grammar(response_format), constraint) if spec is not None])
     if not tools:
         if tool_choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools", param="tool_choice")
@@ -101,10 +104,9 @@ def plan_output(
     if choice == "auto":
         return OutputPlan(grammar=grammar, tools=definitions, tool_format=tool_format, marker_id=marker_id)
     if grammar is not None:
-        raise BadRequest(
-            f"response_format cannot be combined with a forced tool call (tool_choice {_choice_name(choice)})",
-            param="response_format",
-        )
+        field = "response_format" if grammar.param.startswith("response_format") else grammar.param
+        raise BadRequest(f"{field} cannot be combined with a forced tool call (tool_choice {_choice_name(choice)})",
+                         param=field)
     # OpenAI: "required" calls one or more functions; a named function is called exactly once
     forced = definitions if choice == "required" else [_named(definitions, choice.function.name)]
     parallel = choice == "required" and parallel_tool_calls is not False

@@ -67,3 +67,26 @@ def test_a_kept_special_token_stays_in_the_text(engine, renderer, keep, expected
     request = GenerationRequest("marker", chat_ids(renderer, "Answer yes."), stop=StopConditions(max_new_tokens=8),
                                 grammar=GrammarSpec("lark", 'start: <[1]> "yes"', "tool_choice"), keep_special_ids=keep)
     assert collect(engine.submit(request))[0].text == expected
+
+
+@pytest.mark.parametrize(("spec", "pattern"), [
+    (GrammarSpec("regex", r"\d{3}-\d{4}", "guided_regex"), r"[0-9]{3}-[0-9]{4}"),
+    (GrammarSpec("choice", '["red", "green", "blue"]', "guided_choice"), "red|green|blue"),
+    (GrammarSpec("grammar", 'root ::= "A" digit digit\ndigit ::= [0-9]', "grammar"), "A[0-9]{2}"),
+    (GrammarSpec("grammar", 'start: "B" DIGIT DIGIT\nDIGIT: /[0-9]/', "guided_grammar"), "B[0-9]{2}"),
+])
+def test_regex_choice_and_grammars_restrict_to_their_language(engine, renderer, spec: GrammarSpec,
+                                                              pattern: str) -> None:
+    import re
+
+    choice = collect(engine.submit(constrained("r", chat_ids(renderer, "What is the capital of France?"), spec)))[0]
+    assert re.fullmatch(pattern, choice.text), choice.text
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("grammar", "root ::= (", "structured_outputs.grammar"),
+                                  GrammarSpec("regex", "(", "guided_regex"),
+                                  GrammarSpec("grammar", "start: undefined_rule", "grammar")])
+def test_a_grammar_that_does_not_compile_is_refused_naming_its_field(engine, renderer, spec: GrammarSpec) -> None:
+    with pytest.raises(BadRequest) as error:
+        engine.submit(constrained("bad", chat_ids(renderer, "hi"), spec))
+    assert error.value.param == spec.param

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from handler.engine.core.grammars import to_lark
 from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
@@ -56,7 +57,7 @@ class GrammarCompiler:
                 schema = apply_json_rules(json.loads(spec.source))
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(spec.source)
+                grammar = llguidance.LLMatcher.grammar_from_lark(to_lark(spec))
         except (ValueError, TypeError) as error:
             raise BadRequest(f"{spec.param} cannot be compiled: {error}", param=spec.param) from None
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)

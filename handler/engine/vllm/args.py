@@ -14,19 +14,19 @@ The meanings are the lean engine's (``types.py``), so both backends answer a req
   them; the chosen token's logprob always comes (vLLM's ``logprobs=0``);
 - grammars (``GrammarSpec``) go to vLLM's structured outputs with the ``guidance`` backend (llguidance, the library
   the lean engine uses) as one Lark grammar: a JSON schema becomes ``start: %json {...}`` with the server's JSON
-  rules and layout (``json_rules``), so the output is laid out as on the lean engine.
+  rules and layout (``json_rules``), so the output is laid out as on the lean engine; a regex, a choice and a GBNF
+  grammar become Lark as the lean engine reads them (``core.grammars``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from handler.config import Settings
 from handler.engine.backend import EngineLimits
-from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
+from handler.engine.core.grammars import to_lark
 from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
 from handler.engine.types import GenerationRequest, GrammarSpec
 from handler.errors import BadRequest, ConfigError, Unprocessable
@@ -193,13 +193,9 @@ def vllm_dtype(settings: Settings, placement: Placement) -> str:
 
 
 def grammar_source(spec: GrammarSpec) -> str:
-    """The Lark grammar (llguidance's dialect) vLLM's guidance backend compiles for a ``GrammarSpec``."""
-    if spec.kind == "lark":
-        return spec.source
-    schema = apply_json_rules(json.loads(spec.source))
-    if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
-    return "start: %json " + json.dumps(schema)
+    """The Lark grammar (llguidance's dialect) vLLM's guidance backend compiles for a ``GrammarSpec``: every
+    language as the lean engine reads it (``core.grammars``)."""
+    return to_lark(spec)
 
 
 def max_new_tokens(request: GenerationRequest, max_model_len: int) -> int:
