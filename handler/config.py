@@ -165,6 +165,9 @@ class Settings(BaseModel):
     max_connections: int = Field(1000, ge=1)
     # Tool calls: the format the model writes them in (vLLM's --tool-call-parser); auto: detected from the template
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # Reasoning models (vLLM's --reasoning-parser names): how chat answers split into reasoning and content; auto:
+    # detected from the chat template (<think> tags: qwen3; harmony channels: gpt_oss), none: never split
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss"] = "auto"
     # Images in chat requests (vision models): URL fetching and its limits; data: URIs and base64 always work
     image_fetch_enabled: bool = True
     image_fetch_allowed_hosts: tuple[str, ...] = ()         # comma-separated; exempt from the public-address rule

@@ -174,7 +174,9 @@ class Routes:
         ctx = self._context(ChatContext, generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
                             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                             keep_best=parsed.n if parsed.best_of and generation.beam is None else None,
-                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
+                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only,
+                            reasoning_parser=renderer.reasoning_parser,
+                            reasoning_opened=renderer.opens_reasoning(generation.prompt_ids))
         if not parsed.stream:
             try:
                 return json_response(chat_format.chat_completion(handle, generation.n, ctx))

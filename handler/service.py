@@ -148,6 +148,6 @@ class ModelService:
     def _renderer(self, tokenizer, encoder) -> PromptRenderer:
         settings = self.settings
         if encoder is None:
-            return PromptRenderer(tokenizer, settings.tool_call_parser)
+            return PromptRenderer(tokenizer, settings.tool_call_parser, settings.reasoning_parser)
         return VisionRenderer(tokenizer, settings.tool_call_parser, encoder, image_loader(settings),
-                              settings.max_images_per_request)
+                              settings.max_images_per_request, settings.reasoning_parser)

@@ -110,6 +110,16 @@ class TextOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """A thinking model's reasoning comes before a constrained answer: free text from ``start`` (already in the
+    prompt when ``opened``; else optional) up to ``end``, then the grammar."""
+
+    start: str
+    end: str
+    opened: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """A constraint on the output: every choice is a sentence of this grammar (constrained decoding)."""
 
@@ -118,6 +128,7 @@ class GrammarSpec:
     kind: str
     source: str
     param: str       # the request field it came from, for error messages
+    after_reasoning: ReasoningGate | None = None  # the grammar starts once the model's reasoning has ended
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,16 @@
-"""Token events -> chat-completions JSON (OpenAI shape): one ``chat.completion`` or ``chat.completion.chunk``s."""
+"""Token events -> chat-completions JSON (OpenAI shape): one ``chat.completion`` or ``chat.completion.chunk``s.
+
+With a reasoning model (``ChatContext.reasoning_parser``) each choice's text is split first (``prompt.reasoning``):
+the reasoning goes to ``message.reasoning`` / ``delta.reasoning`` (vLLM's name) and ``reasoning_content`` (llama.cpp
+and SGLang clients read this one), the answer to ``content``, where tool calls are parsed as without reasoning. A
+choice that ends inside its reasoning has ``content: null``. ``usage.completion_tokens_details.reasoning_tokens``
+counts the tokens generated while the reasoning was open.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from handler.engine.types import ErrorKind, FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
@@ -17,7 +25,7 @@ from handler.formatting.context import (
     fold,
     usage,
 )
-from handler.prompt import tool_calls
+from handler.prompt import reasoning, tool_calls
 
 SYSTEM_FINGERPRINT = "fp_sagemaker_llm_container"
 
@@ -39,19 +47,61 @@ def chat_completion(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> d
     counts every candidate's tokens, as OpenAI bills them)."""
     candidates = fold(events, n)
     choices = best_choices(candidates, ctx.keep_best) if ctx.keep_best else candidates
+    splits = {c.index: split_choice(c, ctx) for c in candidates} if ctx.reasoning_parser else {}
+    reasoning_tokens = sum(s.num_reasoning_tokens for s in splits.values()) if ctx.reasoning_parser else None
+    if ctx.keep_best and splits:
+        splits = {c.index: split_choice(c, ctx) for c in choices}
     return {
         "id": ctx.request_id,
         "object": "chat.completion",
         "created": ctx.created,
         "model": ctx.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [_choice(c, ctx) for c in choices],
-        "usage": usage(c.finish for c in candidates),
+        "choices": [_choice(c, ctx, splits.get(c.index)) for c in choices],
+        "usage": usage((c.finish for c in candidates), reasoning_tokens),
     }
 
 
-def _choice(choice: ChoiceResult, ctx: ChatContext) -> dict:
-    message, finish_reason = _message(choice.text, choice.finish.finish_reason, ctx)
+@dataclass(slots=True)
+class ReasoningSplit:
+    """One whole choice split: its reasoning, its answer text, gpt-oss's calls, and whether it ended inside the
+    reasoning."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tool_calls.ToolCall] = field(default_factory=list)
+    in_reasoning: bool = False
+    num_reasoning_tokens: int = 0
+
+
+def split_choice(choice: ChoiceResult, ctx: ChatContext) -> ReasoningSplit:
+    splitter = reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened)
+    split = ReasoningSplit()
+    for event in choice.events:
+        split.num_reasoning_tokens += splitter.in_reasoning and event.token_id is not None
+        _add(split, splitter.push(event.text))
+    _add(split, splitter.finish())
+    split.in_reasoning = splitter.in_reasoning
+    return split
+
+
+def _add(split: ReasoningSplit, pieces: list[reasoning.Piece]) -> None:
+    for piece in pieces:
+        if piece.kind == reasoning.REASONING:
+            split.reasoning += piece.text
+        elif piece.kind == reasoning.TOOL_CALL:
+            split.calls.append(tool_calls.ToolCall(piece.name or "", piece.text))
+        else:
+            split.content += piece.text
+
+
+def _choice(choice: ChoiceResult, ctx: ChatContext, split: ReasoningSplit | None = None) -> dict:
+    text = choice.text if split is None else split.content
+    message, finish_reason = _message(text, choice.finish.finish_reason, ctx)
+    if split is not None:
+        _add_reasoning(message, split)
+        if split.calls and choice.finish.finish_reason is not FinishReason.LENGTH:
+            finish_reason = "tool_calls"
     logprobs = None
     if ctx.want_logprobs:
         logprobs = {"content": [token_logprob(e, ctx) for e in choice.token_events if not e.is_special]}
@@ -69,6 +119,15 @@ def _message(text: str, reason: FinishReason, ctx: ChatContext) -> tuple[dict, s
     return message, _finish_reason(reason, bool(parsed.calls))
 
 
+def _add_reasoning(message: dict, split: ReasoningSplit) -> None:
+    """The reasoning fields of a message, and ``content: null`` when the choice ended inside its reasoning."""
+    if split.in_reasoning:
+        message["content"] = None
+    message["reasoning"] = message["reasoning_content"] = split.reasoning or None
+    if split.calls:
+        message["tool_calls"] = message.get("tool_calls", []) + [call.to_openai() for call in split.calls]
+
+
 def _finish_reason(reason: FinishReason, has_calls: bool) -> str:
     return "tool_calls" if has_calls and reason is not FinishReason.LENGTH else OPENAI_FINISH_REASONS[reason]
 
@@ -78,7 +137,7 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> Itera
     per choice."""
     for index in range(n):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""})
-    streams = [_DeltaStream(ctx.tool_format, ctx.tool_calls_only) for _ in range(n)]
+    streams = [_DeltaStream(ctx) for _ in range(n)]
     finals = []
     for event in events:
         if (failure := failure_record(event)) is not None:
@@ -88,7 +147,7 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> Itera
         if ctx.want_logprobs and event.token_id is not None and not event.is_special:
             logprobs = {"content": [token_logprob(event, ctx)]}
         stream = streams[event.index]
-        deltas = stream.push(event.text, is_last=event.finish_reason is not None)
+        deltas = stream.push(event.text, is_last=event.finish_reason is not None, has_token=event.token_id is not None)
         for delta in deltas[:-1]:
             yield _chunk(ctx, event.index, delta)
         last = deltas[-1] if deltas else {}
@@ -101,17 +160,40 @@ def chat_chunks(events: Iterable[TokenEvent], n: int, ctx: ChatContext) -> Itera
         if event.finish_reason is not None:
             finals.append(event)
     if ctx.include_usage:
-        yield {**_base(ctx), "choices": [], "usage": usage(finals_of(finals))}
+        reasoning_tokens = sum(s.num_reasoning_tokens for s in streams) if ctx.reasoning_parser else None
+        yield {**_base(ctx), "choices": [], "usage": usage(finals_of(finals), reasoning_tokens)}
 
 
 class _DeltaStream:
-    """One choice's text as chunk deltas: content as it comes, or, with tools, content and whole tool calls."""
+    """One choice's text as chunk deltas: content as it comes, or, with tools, content and whole tool calls; with a
+    reasoning model, reasoning deltas first split off."""
 
-    def __init__(self, tool_format: str | None, calls_only: bool) -> None:
-        self._parser = tool_calls.ToolCallStream(tool_format, calls_only=calls_only) if tool_format else None
+    def __init__(self, ctx: ChatContext) -> None:
+        tool_format = ctx.tool_format
+        self._parser = tool_calls.ToolCallStream(tool_format, calls_only=ctx.tool_calls_only) if tool_format else None
+        self._splitter = (reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened) if ctx.reasoning_parser
+                          else None)
         self.num_calls = 0
+        self.num_reasoning_tokens = 0
 
-    def push(self, text: str, *, is_last: bool) -> list[dict]:
+    def push(self, text: str, *, is_last: bool, has_token: bool = True) -> list[dict]:
+        if self._splitter is None:
+            return self._content(text, is_last)
+        self.num_reasoning_tokens += self._splitter.in_reasoning and has_token
+        pieces = self._splitter.push(text) + (self._splitter.finish() if is_last else [])
+        deltas: list[dict] = []
+        for piece in pieces:
+            if piece.kind == reasoning.REASONING:
+                deltas.append({"reasoning": piece.text, "reasoning_content": piece.text})
+            elif piece.kind == reasoning.TOOL_CALL:
+                call = tool_calls.ToolCall(piece.name or "", piece.text)
+                deltas.append({"tool_calls": [{"index": self.num_calls, **call.to_openai()}]})
+                self.num_calls += 1
+            else:
+                deltas += self._content(piece.text, False)
+        return deltas + (self._content("", True) if is_last else [])
+
+    def _content(self, text: str, is_last: bool) -> list[dict]:
         if self._parser is None:
             return [{"content": text}] if text else []
         found = self._parser.push(text) + (self._parser.finish() if is_last else [])

@@ -30,6 +30,8 @@ class ChatContext(FormatContext):
     keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
     tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
     tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning from content in this format (prompt.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +112,16 @@ def raise_for_failure(event: TokenEvent) -> None:
         raise error
 
 
-def usage(choices_final: Iterable[TokenEvent]) -> dict:
+def usage(choices_final: Iterable[TokenEvent], reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with a reasoning model, ``completion_tokens_details.reasoning_tokens`` (part of
+    ``completion_tokens``, as OpenAI counts them)."""
     finals = list(choices_final)
     prompt = finals[0].num_prompt_tokens if finals else 0
     completion = sum(e.num_generated_tokens for e in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    counted = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if reasoning_tokens is not None:
+        counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counted
 
 
 def finals_of(events: Iterable[TokenEvent]) -> Iterator[TokenEvent]:

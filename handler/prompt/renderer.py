@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from handler.engine.types import ReasoningGate
 from handler.errors import BadRequest, Unprocessable
-from handler.prompt import tool_calls
+from handler.prompt import reasoning, tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +50,32 @@ class PromptRenderer:
     ``tool_format`` is how this model writes tool calls (``handler.prompt.tool_calls.FORMATS``): the setting
     when given, else detected from the chat template."""
 
-    def __init__(self, tokenizer, tool_format: str = "auto") -> None:
+    def __init__(self, tokenizer, tool_format: str = "auto", reasoning_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
         self.has_chat_template = bool(template)
         self.tool_format = tool_calls.detect_format(template, None if tool_format == "auto" else tool_format)
         self._template_renders_tools = tool_calls.template_renders_tools(template)
         self.tool_marker_id = self._special_token_id(tool_calls.FORMATS[self.tool_format].opener)
+        self.reasoning_parser = reasoning.detect_parser(template if isinstance(template, str) else None,
+                                                        reasoning_parser)
+        # the reasoning markers that are special tokens: kept in the output text, or the split could not see them
+        found = (self._special_token_id(text) for text in reasoning.marker_texts(self.reasoning_parser))
+        self.reasoning_keep_ids = tuple(token_id for token_id in found if token_id is not None)
+
+    def opens_reasoning(self, prompt_ids: tuple[int, ...]) -> bool:
+        """Whether the model answering this prompt starts inside its reasoning (the prompt's tail opened it)."""
+        if self.reasoning_parser is None:
+            return False
+        tail = self.tokenizer.decode(list(prompt_ids[-8:]))
+        return reasoning.prompt_opens_reasoning(self.reasoning_parser, tail)
+
+    def reasoning_gate(self, prompt_ids: tuple[int, ...]) -> ReasoningGate | None:
+        """Where a constrained answer starts for this prompt: after ``</think>`` (None: no reasoning, or harmony's,
+        whose channels the grammar does not model; there the grammar applies from the first token)."""
+        if self.reasoning_parser in (None, "gpt_oss"):
+            return None
+        return ReasoningGate(reasoning.THINK_START, reasoning.THINK_END, self.opens_reasoning(prompt_ids))
 
     def _special_token_id(self, text: str) -> int | None:
         """The id of ``text`` when the tokenizer has it as one special token (Mistral's ``[TOOL_CALLS]``, Llama's
@@ -100,27 +120,29 @@ class PromptRenderer:
         decoder = getattr(self.tokenizer, "backend_tokenizer", None)
         return decoder is not None and "ByteLevel" in type(decoder.decoder).__name__
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """The conversation rendered by the model's chat template, ending with the assistant's turn."""
-        return self.encode(self.chat_text(messages, tools))
+        return self.encode(self.chat_text(messages, tools, template_kwargs=template_kwargs))
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                      images: list[ImageRef] | None = None, arrived_at: float | None = None) -> RenderedPrompt:
+                      images: list[ImageRef] | None = None, arrived_at: float | None = None,
+                      template_kwargs: dict | None = None) -> RenderedPrompt:
         """``render_chat`` for messages that may hold images (``{"type": "image"}`` parts, refs in order);
         ``arrived_at`` (``time.monotonic()``) is when the request arrived, which image budgets count from."""
         if images:
             raise BadRequest("this model is not a vision model: it cannot take image content", param=images[0].param)
-        return RenderedPrompt(tuple(self.render_chat(messages, tools)))
+        return RenderedPrompt(tuple(self.render_chat(messages, tools, template_kwargs)))
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None, *,
-                  add_generation_prompt: bool = True) -> str:
+                  add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
         """The chat template's text. Tools go to the template when it renders them (``tools=``); otherwise
         they are described in the system prompt, and earlier calls are written into the assistant messages, in
         the format the output is parsed in."""
         if not self.has_chat_template:
             raise Unprocessable("this model has no chat template; send the legacy {\"inputs\": ...} schema instead",
                                 param="messages")
-        extra = {}
+        extra = dict(template_kwargs or {})  # chat_template_kwargs (enable_thinking, ...), reasoning_effort
         if tools and self._template_renders_tools:
             extra["tools"] = tools
         else:

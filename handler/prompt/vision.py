@@ -46,18 +46,24 @@ class VisionRenderer(PromptRenderer):
     template and image-token expansion), with or without images. ``encoder`` is ``engine.model.vision.VisionEncoder``
     (images become embeddings here) or ``ImageProcessor`` (the decoded images go on to the backend)."""
 
-    def __init__(self, tokenizer, tool_format: str, encoder, images: ImageLoader, max_images: int) -> None:
-        super().__init__(tokenizer, tool_format)
+    def __init__(self, tokenizer, tool_format: str, encoder, images: ImageLoader, max_images: int,
+                 reasoning_parser: str = "auto") -> None:
+        super().__init__(tokenizer, tool_format, reasoning_parser)
         self.encoder = encoder
         self._images = images
         self._max_images = max_images
         self.has_chat_template = bool(getattr(encoder.processor, "chat_template", None)) or self.has_chat_template
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return list(self.render_prompt(messages, tools).prompt_ids)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return list(self.render_prompt(messages, tools, template_kwargs=template_kwargs).prompt_ids)
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                      images: list[ImageRef] | None = None, arrived_at: float | None = None) -> RenderedPrompt:
+                      images: list[ImageRef] | None = None, arrived_at: float | None = None,
+                      template_kwargs: dict | None = None) -> RenderedPrompt:
+        if template_kwargs:  # the processor renders its own template and takes no variables from here
+            raise BadRequest("chat_template_kwargs and reasoning_effort are not available for vision models",
+                             param="chat_template_kwargs")
         images = images or []
         if len(images) > self._max_images:
             raise BadRequest(f"the request has {len(images)} images; at most {self._max_images} are allowed "

@@ -7,7 +7,7 @@ Fields copy the OpenAI names. Fields this server cannot honour yet are not decla
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -31,6 +31,9 @@ from handler.protocol.constraints import ConstraintFields
 from handler.protocol.structured import OutputPlan, ResponseFormat, Tool, ToolChoice, plan_output
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+_RENDERER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                                 "continue_final_message", "return_dict", "documents", "chat_template"})
 
 
 class TextPart(BaseModel):
@@ -133,6 +136,8 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = False
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: variables for the chat template (enable_thinking)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI: the template's reasoning_effort
     _plan: OutputPlan | None = PrivateAttr(None)
 
     def output_plan(self, renderer: PromptRenderer) -> OutputPlan:
@@ -153,6 +158,18 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
             raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+
+    def template_kwargs(self) -> dict:
+        """The chat template's extra variables: ``chat_template_kwargs`` and ``reasoning_effort`` (gpt-oss's
+        template writes it into its system header as ``Reasoning: low|medium|high``; templates without the
+        variable ignore it, as jinja does)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in sorted(set(kwargs) & _RENDERER_ARGUMENTS):
+            raise BadRequest(f"chat_template_kwargs cannot set {key!r}: the server sets it",
+                             param=f"chat_template_kwargs.{key}")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def prompt_messages(self) -> tuple[list[dict], list[ImageRef]]:
         """The messages as chat templates take them, and the images they reference, in order."""

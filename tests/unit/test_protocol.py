@@ -20,13 +20,16 @@ class FakeRenderer(PromptRenderer):
 
     tool_format = "hermes"
     tool_marker_id = None
+    reasoning_parser = None
+    reasoning_keep_ids = ()
 
     def __init__(self) -> None:
         self.chats: list[list[dict]] = []
         self.tools: list[list[dict] | None] = []
         self.encoded: list[tuple[str, bool]] = []
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         self.chats.append(messages)
         self.tools.append(tools)
         return [100 + i for i in range(len(messages) * 3)]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from handler.engine.core.grammars import to_lark
+from handler.engine.core.grammars import gated_grammar, to_lark
 from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
@@ -53,7 +53,9 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            if spec.kind == "json_schema":
+            if spec.after_reasoning is not None:
+                grammar = gated_grammar(spec)
+            elif spec.kind == "json_schema":
                 schema = apply_json_rules(json.loads(spec.source))
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             else:

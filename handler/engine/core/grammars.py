@@ -67,3 +67,18 @@ def grammar_lark(source: str) -> str:
         return any_to_lark(source)
     except Exception as error:  # the converter raises bare exceptions on GBNF it cannot read
         raise ValueError(f"not a Lark or GBNF grammar: {error}") from None
+
+
+def gated_grammar(spec: GrammarSpec) -> str:
+    """llguidance's top-level grammar (JSON) for a spec that starts after the model's reasoning: free text up to the
+    end marker (after the start marker, optional unless the prompt opened it), then the spec's own grammar as a
+    named sub-grammar, so its rules cannot clash with the gate's. Measured with the embedded tokenizer: the end
+    marker split over several tokens (``</``, ``think``, ``>``) is matched."""
+    gate = spec.after_reasoning
+    if gate is None:
+        raise ValueError("the grammar has no reasoning gate")
+    end = json.dumps(gate.end, ensure_ascii=False)
+    opening = "think" if gate.opened else f"({json.dumps(gate.start, ensure_ascii=False)} think)?"
+    top = f'start: {opening} /[ \\n]*/ @answer\nthink[stop={end}]: /(?s:.*)/'
+    answer = {"name": "answer", "lark_grammar": to_lark(spec)}
+    return json.dumps({"grammars": [{"lark_grammar": top}, answer]})

@@ -90,6 +90,8 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         "disable_log_stats": True,
         "seed": 0,
     }
+    if settings.reasoning_parser not in ("auto", "none"):  # vLLM then applies grammars after the reasoning ends
+        kwargs["reasoning_parser"] = settings.reasoning_parser
     if "vision_config" in model_config:  # vLLM sizes its encoder cache and start-up profile by this
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:
@@ -194,7 +196,8 @@ def vllm_dtype(settings: Settings, placement: Placement) -> str:
 
 def grammar_source(spec: GrammarSpec) -> str:
     """The Lark grammar (llguidance's dialect) vLLM's guidance backend compiles for a ``GrammarSpec``: every
-    language as the lean engine reads it (``core.grammars``)."""
+    language as the lean engine reads it (``core.grammars``). A reasoning gate is vLLM's own to apply: its
+    ``reasoning_parser`` (``engine_kwargs``) starts the grammar after the reasoning."""
     return to_lark(spec)
 
 
