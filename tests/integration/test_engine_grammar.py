@@ -90,3 +90,18 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_its_field(engine, ren
     with pytest.raises(BadRequest) as error:
         engine.submit(constrained("bad", chat_ids(renderer, "hi"), spec))
     assert error.value.param == spec.param
+
+
+def test_a_gated_grammar_leaves_the_reasoning_free(engine, renderer) -> None:
+    """With the reasoning open (a thinking model's prompt), the model writes free text until ``</think>``: this
+    model never closes it, so its prose runs to max_tokens where the same regex ungated would have held."""
+    import re
+
+    from handler.engine.types import ReasoningGate
+
+    gate = ReasoningGate("<think>", "</think>", opened=True)
+    spec = GrammarSpec("regex", r"\d{3}-\d{4}", "guided_regex", gate)
+    request = GenerationRequest("gated", chat_ids(renderer, "What is the capital of France?"),
+                                stop=StopConditions(max_new_tokens=8), grammar=spec)
+    choice = collect(engine.submit(request))[0]
+    assert choice.finish.finish_reason is FinishReason.LENGTH and not re.fullmatch(r"[0-9-]*", choice.text)
