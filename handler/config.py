@@ -133,6 +133,11 @@ class Settings(BaseModel):
     kv_cache_memory: str | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     enable_prefix_caching: bool = True                      # reuse whole 16-token blocks of earlier prompts
+    # LoRA adapters (LMI's and vLLM's names): served when enable_lora; at most max_loras loaded at once (the least
+    # recently used unpinned one is evicted for a new one), each of rank at most max_lora_rank (README: Adapters)
+    enable_lora: bool = False
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1, le=512)
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
     # body fields this server does not declare, for the whole deployment (Azure's extra-parameters meanings); per

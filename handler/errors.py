@@ -46,6 +46,13 @@ class NotFound(ServingError):
     error_type = "invalid_request_error"
 
 
+class Conflict(ServingError):
+    """409: the request clashes with the server's state (an adapter name already registered)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(ServingError):
     """413: the body is over the size SageMaker allows."""
 

@@ -59,6 +59,7 @@ class HandlerOnly:
     is_ready = True
     is_alive = True
     embeds_only = False
+    adapters = None
 
     def __init__(self, handler_name: str) -> None:
         self.reason = (f"the built-in engine is not loaded: {handler_name} serves this model on /invocations "

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from handler.engine.types import EmbeddingRequest, Embeddings, GenerationRequest, TokenEvent
+from handler.engine.types import AdapterInfo, EmbeddingRequest, Embeddings, GenerationRequest, TokenEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,22 @@ class EmbeddingHandle(Protocol):
     def result(self) -> Embeddings: ...
 
 
+class AdapterManager(Protocol):
+    """A backend's LoRA adapters (option.enable_lora): registered by name from a folder, at most option.max_loras
+    loaded at once, the least recently used unpinned one evicted for another. Errors are ``ServingError``s naming
+    the field: 404 for an unknown name, 400 for a folder that is no adapter of this model, 409 for a taken name."""
+
+    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False) -> AdapterInfo: ...
+
+    def unregister(self, name: str) -> None: ...
+
+    def list(self) -> list[AdapterInfo]: ...
+
+    def drain_events(self) -> list[tuple[str, str]]:
+        """``(event, adapter)`` since the last call, event ``loaded`` or ``evicted`` (for metrics)."""
+        ...
+
+
 class EngineBackend(Protocol):
     """What the service starts and the server submits to."""
 
@@ -84,6 +100,11 @@ class EngineBackend(Protocol):
 
     @property
     def is_alive(self) -> bool: ...
+
+    @property
+    def adapters(self) -> AdapterManager | None:
+        """The LoRA adapters, or None when this backend serves none (option.enable_lora off, or not loaded)."""
+        ...
 
     def start(self) -> None: ...
 

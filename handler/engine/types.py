@@ -184,6 +184,8 @@ class GenerationRequest:
     keep_special_ids: tuple[int, ...] = ()  # special tokens whose text stays in the output (tool-call markers)
     text: TextOptions = field(default_factory=TextOptions)
     prompt_param: str = "prompt"        # the request field the prompt came from, named by errors about it
+    adapter: str | None = None          # the LoRA adapter to generate with (None: the base model)
+    adapter_param: str = "adapter"      # where the request named it (a header or a field), for errors
     # time.monotonic() when the request arrived (before its prompt was rendered: image fetches included); its
     # deadline counts from here. None: from submit
     arrived_at: float | None = None
@@ -269,3 +271,15 @@ class Embeddings:
 
     vectors: tuple[tuple[float, ...], ...]
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A registered LoRA adapter, as ``GET /adapters`` lists it."""
+
+    name: str
+    src: str
+    pinned: bool = False
+    loaded: bool = False            # its weights are in memory now (at most option.max_loras are)
+    rank: int | None = None         # known once loaded
+    targets: tuple[str, ...] = ()   # the PEFT modules it changes, once loaded

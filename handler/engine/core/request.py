@@ -212,6 +212,7 @@ class RequestState:
     make_sequence: Callable[[RequestState, int], Sequence]
     deadline: float = math.inf         # time.monotonic() value
     matcher: object | None = None      # the request's compiled grammar, unadvanced; each choice advances a copy
+    adapter: object | None = None      # model.lora.AdapterWeights the request generates with (None: the base model)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sequences: list[Sequence] = field(default_factory=list)

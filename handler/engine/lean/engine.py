@@ -30,9 +30,10 @@ from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
 from handler.engine.lean.speculate import Speculation
 from handler.engine.lean.steps import StepLoop
+from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
 from handler.engine.types import EmbeddingRequest, GenerationRequest, Pooling
-from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
+from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,27 @@ class Engine:
                              param=request.prompt_param)
         request = self.fit_prompt(request)
         self.validate(request)
+        adapter = self._resolve_adapter(request)
         state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
-                             matcher=self._compile_grammar(request))
+                             matcher=self._compile_grammar(request), adapter=adapter)
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
+
+    @property
+    def adapters(self) -> AdapterStore | None:
+        """The LoRA adapters once the model has loaded with option.enable_lora, else None."""
+        return None if self._loaded is None else getattr(self._loaded.runner, "adapters", None)
+
+    def _resolve_adapter(self, request: GenerationRequest) -> object | None:
+        """The weights of the adapter the request names (loaded now if evicted); 404 naming it when unknown."""
+        if request.adapter is None:
+            return None
+        store = self.adapters
+        if store is None:
+            raise NotFound(f"The adapter {request.adapter} was not found: this server serves no adapters "
+                           "(option.enable_lora=true serves them)", param=request.adapter_param,
+                           code="adapter_not_found")
+        return store.resolve(request.adapter, request.adapter_param)
 
     @property
     def embeds_only(self) -> bool:

@@ -28,8 +28,10 @@ from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.family import load_state_dict, read_config
 from handler.engine.model.kv_cache import whole_blocks
 from handler.engine.model.linear import describe_cpu
+from handler.engine.model.lora import enable_adapters, load_adapter
 from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
+from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.encoder_runner import EncoderRunner
 from handler.engine.runners.hf_runner import TransformersRunner
 from handler.engine.runners.kv_space import KVSpace
@@ -73,6 +75,15 @@ class LoadOptions:
     int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
     kv_memory: KVMemory = KVMemory()
     speculation: SpeculationOptions | None = None
+    lora: LoraOptions | None = None   # option.enable_lora: serve LoRA adapters
+
+
+@dataclass(frozen=True, slots=True)
+class LoraOptions:
+    """option.max_loras (loaded at once) and option.max_lora_rank."""
+
+    max_loras: int = 4
+    max_rank: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +132,18 @@ def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[Promp
                           settings.quantize == "dynamic_int8", int8_split=settings.int8_split_sites,
                           kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
                                              settings.workers, settings.enable_prefix_caching),
-                          speculation=speculation_options(settings))
+                          speculation=speculation_options(settings),
+                          lora=lora_options(settings))
     loaded, parts = load(options, lambda: load_tokenizer(settings.model_dir))
     on_parts(parts, loaded.path, loaded.path_reason)
     log.info("loaded %s on %s (%s%s%s), pid %d", settings.model_dir.name, resolved.device, resolved.dtype,
              ", int8 dynamic" if resolved.quantize and loaded.path == "lean" else "",
              ", vision" if parts.vision else "", os.getpid())
     return loaded
+
+
+def lora_options(settings: Settings) -> LoraOptions | None:
+    return LoraOptions(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None
 
 
 def speculation_options(settings: Settings) -> SpeculationOptions | None:
@@ -172,6 +188,9 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     if path == "transformers" and options.speculation is not None:
         raise UnsupportedModel(f"option.speculative_draft_model: speculative decoding runs on the lean path, and "
                                f"this model is served on the transformers path ({reason})")
+    if path == "transformers" and options.lora is not None:
+        raise UnsupportedModel(f"option.enable_lora: LoRA adapters are served on the lean path (and by vLLM), and "
+                               f"this model is served on the transformers path ({reason})")
     if path == "transformers":
         return _load_reference(options, load_full_tokenizer, reason)
     if needs_transformers(config):
@@ -189,7 +208,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     if isinstance(tokenizer, BaseException):
         raise tokenizer
     budget, how = kv_budget(options, whole_blocks(options.max_model_len) * model.kv_bytes_per_token())
-    runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching)
+    runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching,
+                         adapters=adapter_store(model, options.lora))
     check_budget(runner.space, options.max_model_len, how)
     if encoder is None:  # a vision model's template renders through its processor
         runner.set_shared_prefix(chat_template_prefix(tokenizer))
@@ -201,6 +221,17 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
                          embedding=decoder_pooling(options.model_dir, encoder is not None),
                          speculation=load_speculation(options, model, runner))
     return loaded, PromptParts(tokenizer, encoder)
+
+
+def adapter_store(model: DecoderModel, lora: LoraOptions | None) -> AdapterStore | None:
+    """With option.enable_lora: the model's Linears wrapped for adapters (after int8 replaced them) and the store
+    that loads adapters for it."""
+    if lora is None:
+        return None
+    enable_adapters(model)
+    log.info("LoRA adapters: up to %d loaded at once, rank up to %d", lora.max_loras, lora.max_rank)
+    return AdapterStore(lambda folder, name: load_adapter(folder, name, model, lora.max_rank), lora.max_loras,
+                        lora.max_rank)
 
 
 def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRunner) -> Speculation | None:

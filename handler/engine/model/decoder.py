@@ -48,6 +48,7 @@ class DecoderModel:
         self.shape = shape_from_config(config)
         self.spec = FamilySpec.from_config(config)
         self.dtype, self.device = dtype, device
+        self.adapter_batch = None   # lora.AdapterBatch once adapters are enabled (``lora.enable_adapters``)
         state = load_state_dict(model_dir) if state is None else state
         build = LayerBuilder(self.spec, self.shape, config, dtype, device)
         self.embed = build.embeddings(state)

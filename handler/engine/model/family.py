@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 
 from handler.engine.model.checkpoint import read_tensors
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.model.lora import fold
 from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
 from handler.engine.model.support import (
     GEMMA_TYPES,
@@ -52,6 +53,8 @@ class Layer:
     mlp_out_norm: torch.Tensor | None = None
     sliding: bool = False
     sinks: torch.Tensor | None = None
+    # what load folded into each Linear site's input and output (``lora.fold``), for adapters to follow
+    folds: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +211,16 @@ class LayerBuilder:
                 weight = torch.cat([q_norm.expand(s.num_heads, -1), k_norm.expand(s.num_kv_heads, -1)])
                 split = partial(_split_head_norm_rotate, **heads, qk_norm=weight, eps=s.rms_norm_eps)
         sinks = state.get(f"{p}self_attn.sinks")
+        folds: dict = {}
+        if project_scale != 1.0:  # the query rows carry the attention scale
+            kv_rows = 2 * s.num_kv_heads * s.head_dim
+            fold(folds, "qkv", output=torch.cat([torch.full((s.num_heads * s.head_dim,), float(project_scale)),
+                                                 torch.ones(kv_rows)]))
+        if residual is not None:
+            fold(folds, "out", output=residual)
+            fold(folds, "down", output=residual)
         return Layer(
+            folds=folds,
             **self.layer_norms(state, p),
             qkv=make(torch.cat(attn), qkv_bias),
             out=make(out_weight, out_bias),

@@ -39,6 +39,7 @@ import torch
 
 from handler.config import INT8_SITES
 from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.lora import fold
 from handler.engine.model.moe import ClampedSwiGLU, GatedMLP, SparseMoE
 
 if TYPE_CHECKING:
@@ -150,11 +151,14 @@ def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]
             s = smoothing_factors(stat["qkv"], qkv)
             layer.input_norm = layer.input_norm / s
             qkv.mul_(s)
+            fold(layer.folds, "qkv", input=s)
         # The output projection's input channel h*head_dim+d comes from KV head h // groups, dim d.
         out_s = smoothing_factors(stat["out"], layer.out.weight).view(shape.num_kv_heads, groups, shape.head_dim)
         v_s = out_s.amax(dim=1)  # heads sharing a KV head must share its factor: [kv_heads, head_dim]
         out_s = v_s[:, None, :].expand_as(out_s).reshape(-1)
         qkv[v_start:] = qkv[v_start:] / v_s.reshape(-1, 1)
+        fold(layer.folds, "qkv", output=torch.cat([torch.ones(v_start), 1.0 / v_s.reshape(-1)]))
+        fold(layer.folds, "out", input=out_s)
         out = layer.out.weight * out_s
         layer.qkv = int8(qkv, _scaled_bias(layer.qkv.bias, v_start, v_s), "qkv")
         layer.out = int8(out, layer.out.bias, "out")
@@ -175,8 +179,11 @@ def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) 
         s = smoothing_factors(stat["gate_up"], gate_up)
         layer.post_norm = layer.post_norm / s
         gate_up.mul_(s)
+        fold(layer.folds, "gate_up", input=s)
     s = smoothing_factors(stat["down"], mlp.down.weight)
     gate_up[mlp.down.weight.shape[1]:] /= s[:, None]  # up rows: silu(gate) * up is linear in up
+    fold(layer.folds, "gate_up", output=torch.cat([torch.ones(s.shape[0]), 1.0 / s]))
+    fold(layer.folds, "down", input=s)
     down = mlp.down.weight * s
     layer.mlp = GatedMLP(int8(gate_up, None, "gate_up"), int8(down, None, "down"), mlp.activation)
 

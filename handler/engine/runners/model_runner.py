@@ -12,6 +12,7 @@ from handler.engine.core.pooling import pool
 from handler.engine.core.request import Sequence
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
+from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
 from handler.engine.types import Pooling
@@ -23,8 +24,9 @@ class ModelRunner:
     blocks to the prefix store."""
 
     def __init__(self, model: DecoderModel, max_slots: int, max_len: int, budget: int,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, adapters: AdapterStore | None = None) -> None:
         self.model = model
+        self.adapters = adapters      # LoRA adapters (option.enable_lora); the model's Linears are wrapped then
         shape = model.shape
         self.space = KVSpace(shape.num_layers, shape.num_kv_heads, shape.head_dim, model.dtype, model.device,
                              budget=budget, max_len=max_len, max_slots=max_slots, prefix_caching=prefix_caching)
@@ -60,7 +62,9 @@ class ModelRunner:
             blocks = store.match(self.block_keys(sequence, (target - 1) // PREFIX_BLOCK))
             hit, source = len(blocks) * PREFIX_BLOCK, blocks
         shared = len(self.prefix_ids)
-        if hit < shared < target and tuple(sequence.tokens(0, shared)) == self.prefix_ids:
+        # the shared prefix was computed by the base model: an adapter's prompt computes its own
+        if hit < shared < target and sequence.request.adapter is None and \
+                tuple(sequence.tokens(0, shared)) == self.prefix_ids:
             hit, source = shared, [self.prefix_kv]
         sequence.num_cached = sequence.num_cached_prefix = hit
         sequence.prefix_kv = source if hit else None
@@ -74,8 +78,12 @@ class ModelRunner:
         if count > len(keys):
             embeds = sequence.request.request.prompt_embeds
             extra = None if embeds is None else partial(_embeds_digest, embeds)
+            # the first block's key starts from the adapter's fingerprint: KV computed under one adapter (or the
+            # base model) is never shared with another
+            adapter = sequence.request.adapter
+            seed = b"" if adapter is None else adapter.fingerprint
             keys += block_keys(sequence.tokens(0, count * PREFIX_BLOCK), len(keys), count - len(keys),
-                               keys[-1] if keys else b"", extra)
+                               keys[-1] if keys else seed, extra)
         return keys[:count]
 
     def embed(self, inputs: list[tuple[int, ...]], pooling: Pooling) -> torch.Tensor:
@@ -139,9 +147,13 @@ class ModelRunner:
         # attention reads whole key blocks: a row's result then does not depend on how long its neighbours are,
         # and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
         layout = build_layout(positions[:num_decode_rows], chunks, self.groups, device, decode_groups)
-        logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                    layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
-                                    _join_embeds(embeds, device))
+        self._group_adapters(plan, verify_rows)
+        try:
+            logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                        layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
+                                        _join_embeds(embeds, device))
+        finally:
+            self._group_adapters(None, [])
         advance(plan)
         if self.space.prefixes.enabled:
             for sequence, _start, _length in plan.prefill:
@@ -152,6 +164,24 @@ class ModelRunner:
             verified.append((sequence, drafts, logits[row:row + 1 + len(drafts)]))
             row += 1 + len(drafts)
         return StepOutput(sequences, logits[:num_sampled], prompt_logprobs.split(scored, logits[row:]), verified)
+
+    def _group_adapters(self, plan: StepPlan | None, verify_rows: list[tuple[Sequence, tuple[int, ...], int]]) -> None:
+        """Tell the model's adapter layers which rows of this step run under which adapter, in the row order
+        ``run`` builds: decode rows, verify rows, then prefill chunks (no plan: none, after the step)."""
+        batch = self.model.adapter_batch
+        if batch is None or plan is None:
+            if batch is not None:
+                batch.groups = []
+            return
+        owners = list(plan.decode) + [s for s, drafts, _first in verify_rows for _ in range(1 + len(drafts))]
+        owners += [s for s, _start, length in plan.prefill for _ in range(length)]
+        rows: dict[int, tuple[object, list[int]]] = {}
+        for row, sequence in enumerate(owners):
+            adapter = sequence.request.adapter
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].append(row)
+        device = self.model.device
+        batch.groups = [(adapter, torch.tensor(r, dtype=torch.long, device=device)) for adapter, r in rows.values()]
 
     def _add_verify_rows(self, plan: StepPlan, tokens: list[int], positions: list[int],
                          decode_groups: list) -> list[tuple[Sequence, tuple[int, ...], int]]:
