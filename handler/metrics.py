@@ -80,6 +80,12 @@ IMAGE_WAITS = Counter("llm_image_waits_total",
 IMAGE_REJECTIONS = Counter("llm_image_rejections_total",
                            "Requests refused by an image budget: fetch_concurrency and memory_budget (429), "
                            "total_pixels (400).", ["reason"])
+ADAPTER_REQUESTS = Counter("llm_adapter_requests_total", "Generation requests served with a LoRA adapter, by adapter.",
+                           ["adapter"])
+ADAPTER_TOKENS = Counter("llm_adapter_generated_tokens_total", "Completion tokens generated with a LoRA adapter, by "
+                         "adapter.", ["adapter"])
+ADAPTER_EVENTS = Counter("llm_adapter_events_total", "LoRA adapters loaded into memory and evicted from it "
+                         "(option.max_loras), by adapter and event.", ["adapter", "event"])
 ENGINE_PATH = Gauge("llm_engine_path_info", "1 for the engine path serving the model (lean or transformers) and why.",
                     ["path", "reason"], multiprocess_mode="livemax")
 
@@ -120,6 +126,16 @@ def record_generation(ttft_s: float | None, num_prompt_tokens: int, num_generate
         TIME_TO_FIRST_TOKEN.observe(ttft_s)
     PROMPT_TOKENS.observe(num_prompt_tokens)
     GENERATED_TOKENS.observe(num_generated_tokens)
+
+
+def record_adapter_request(adapter: str, num_generated_tokens: int) -> None:
+    ADAPTER_REQUESTS.labels(adapter=adapter).inc()
+    ADAPTER_TOKENS.labels(adapter=adapter).inc(num_generated_tokens)
+
+
+def record_adapter_event(adapter: str, event: str) -> None:
+    """``event``: ``loaded`` or ``evicted``."""
+    ADAPTER_EVENTS.labels(adapter=adapter, event=event).inc()
 
 
 def record_token_gap(seconds: float) -> None:

@@ -43,6 +43,7 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     last_token_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (handle, choice) -> time
     cut_by_deadline: bool = False                          # a choice ended at option.request_timeout with its text
+    adapter: str | None = None                             # the LoRA adapter it generated with (None: the base)
 
     def on_event(self, handle_key: int, event: TokenEvent, now: float) -> float | None:
         """Take one event; returns the gap since the same choice's previous token, if there was one."""
@@ -69,6 +70,8 @@ class RequestRecord:
             line["prompt"] = self.prompt
         if self.ignored_fields:
             line["ignored_fields"] = list(self.ignored_fields)
+        if self.adapter is not None:
+            line["adapter"] = self.adapter
         return line
 
     @property
@@ -132,6 +135,8 @@ def finish(record: RequestRecord, status: int) -> None:
     if record.finish_reasons or record.first_token_at is not None:
         ttft = None if record.first_token_at is None else record.first_token_at - record.started
         metrics.record_generation(ttft, record.num_prompt_tokens, record.num_completion_tokens)
+        if record.adapter is not None:
+            metrics.record_adapter_request(record.adapter, record.num_completion_tokens)
     metrics.record_request(record.route, record.schema, status, now - record.started)  # last: "it is all in"
     log.info("request", extra={"fields": record.to_log(status, now)})
 

@@ -12,6 +12,7 @@ requests refused before); when the response has been sent, the request is logged
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -26,6 +27,8 @@ from werkzeug.exceptions import NotFound as NoRoute
 from handler import intake, metrics, request_log
 from handler.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
+from handler.engine.backend import AdapterManager
+from handler.engine.types import AdapterInfo, GenerationRequest
 from handler.errors import (
     BadRequest,
     EngineError,
@@ -43,6 +46,7 @@ from handler.formatting import legacy as legacy_format
 from handler.formatting.context import ChatContext, CompletionsContext, FormatContext, LegacyContext
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol import tokenize
+from handler.protocol.adapters import ADAPTER_HEADERS, RegisterAdapter
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -84,6 +88,9 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.add_url_rule("/v1/embeddings", view_func=routes.embeddings, methods=["POST"])
     app.add_url_rule("/tokenize", view_func=routes.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=routes.detokenize, methods=["POST"])
+    app.add_url_rule("/adapters", view_func=routes.register_adapter, methods=["POST"])
+    app.add_url_rule("/adapters", view_func=routes.list_adapters, methods=["GET"])
+    app.add_url_rule("/adapters/<path:name>", view_func=routes.unregister_adapter, methods=["DELETE"])
     app.register_error_handler(ServingError, routes.serving_error)
     app.register_error_handler(HTTPException, routes.http_error)
     app.register_error_handler(Exception, routes.unexpected_error)
@@ -169,6 +176,7 @@ class Routes:
         self._note(bool(parsed.stream), body.get("messages"))
         renderer = self._renderer(generates="messages")
         generation = extras.apply(intake.chat_request(parsed, renderer, self.service.defaults.temperature))
+        generation = self._with_adapter([generation], parsed.model)[0]
         handle = self._submit(generation)
         plan = parsed.output_plan(renderer)
         ctx = self._context(ChatContext, generation.request_id, parsed.model, want_logprobs=parsed.logprobs,
@@ -189,8 +197,8 @@ class Routes:
     def _legacy(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(LegacyRequest, body)
         self._note(bool(parsed.stream), body.get("inputs"))
-        generations = [extras.apply(generation) for generation in intake.legacy_requests(
-            parsed, self._renderer(generates="inputs"), self.service.defaults.max_new_tokens)]
+        generations = self._with_adapter([extras.apply(generation) for generation in intake.legacy_requests(
+            parsed, self._renderer(generates="inputs"), self.service.defaults.max_new_tokens)], None)
         handles = self._submit_all(generations)
         p = parsed.parameters
         ctx = self._context(LegacyContext, generations[0].request_id, None,
@@ -213,8 +221,8 @@ class Routes:
         parsed, extras = self._parse(CompletionRequest, body)
         self._note(bool(parsed.stream), body.get("prompt"))
         renderer = self._renderer(generates="prompt")
-        generations = [extras.apply(generation) for generation in intake.completion_requests(
-            parsed, renderer, self.service.defaults.temperature)]
+        generations = self._with_adapter([extras.apply(generation) for generation in intake.completion_requests(
+            parsed, renderer, self.service.defaults.temperature)], parsed.model)
         echoed = intake.echo_texts(parsed, renderer)
         handles = self._submit_all(generations)
         ctx = self._context(CompletionsContext, generations[0].request_id, parsed.model,
@@ -284,12 +292,36 @@ class Routes:
         if self.service.settings.log_prompts:
             record.prompt = prompt
 
+    def _with_adapter(self, generations: list[GenerationRequest], model: str | None) -> list[GenerationRequest]:
+        """The adapter a request picked: SageMaker's headers first, then the OpenAI ``model`` field when it names a
+        registered adapter (vLLM's rule; any other name is the base model, as before adapters), else what the body's
+        own fields said (legacy ``parameters.adapters`` / ``adapter_id``, already on each request)."""
+        header = next((h for h in ADAPTER_HEADERS if request.headers.get(h)), None)
+        if header is not None:
+            name, param = request.headers[header], header
+        elif model and model != self.service.model_name and model in self._adapter_names():
+            name, param = model, "model"
+        else:
+            return generations
+        return [dataclasses.replace(g, adapter=name, adapter_param=param) for g in generations]
+
+    def _adapters(self) -> AdapterManager | None:
+        """The backend's adapters (a stand-in backend without the attribute serves none)."""
+        return getattr(self.service.engine, "adapters", None)
+
+    def _adapter_names(self) -> set[str]:
+        store = self._adapters()
+        return set() if store is None else {info.name for info in store.list()}
+
     def _submit(self, generation) -> ObservedHandle:
         try:
             handle = self.service.engine.submit(generation)
         except Overloaded:
             metrics.record_rejection()
             raise
+        finally:
+            self._record_adapter_events()
+        current_record().adapter = generation.adapter
         self._watch(handle)
         record = current_record()
         if not g.get("has_engine_id"):  # a legacy batch is known by its first prompt's id
@@ -318,6 +350,34 @@ class Routes:
         renderer = self.service.renderer
         return kind(request_id=request_id, model=model or self.service.model_name, created=int(time.time()),
                     token_text=renderer.token_text, token_bytes=renderer.token_bytes, **options)
+
+    # ---- adapters (SageMaker's LoRA contract) -----------------------------------------------------------------
+    def register_adapter(self) -> Response:
+        body, _extras = parse_request(RegisterAdapter, read_json(), ExtraParameters.ERROR)
+        info = self._adapter_store().register(body.name, body.src, preload=body.preload, pin=body.pin)
+        self._record_adapter_events()
+        return json_response({"message": f"Adapter {body.name} registered", "adapter": _adapter_card(info)})
+
+    def unregister_adapter(self, name: str) -> Response:
+        self._adapter_store().unregister(name)
+        return json_response({"message": f"Adapter {name} unregistered"})
+
+    def list_adapters(self) -> Response:
+        return json_response({"adapters": [_adapter_card(info) for info in self._adapter_store().list()]})
+
+    def _adapter_store(self) -> AdapterManager:
+        if not self.service.engine.is_ready:
+            raise NotReady("the model is still loading")
+        store = self._adapters()
+        if store is None:
+            raise BadRequest("this server serves no LoRA adapters: start it with option.enable_lora=true "
+                             "(OPTION_ENABLE_LORA=true)", param="option.enable_lora")
+        return store
+
+    def _record_adapter_events(self) -> None:
+        store = self._adapters()
+        for event, name in (() if store is None else store.drain_events()):
+            metrics.record_adapter_event(name, event)
 
     # ---- errors -------------------------------------------------------------------------------------------
     def serving_error(self, error: ServingError) -> Response:
@@ -442,6 +502,11 @@ def sniff_schema(body: dict) -> str:
         return "embeddings"
     raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema), 'prompt' "
                      "(completions) and 'input' (embeddings)", param="messages")
+
+
+def _adapter_card(info: AdapterInfo) -> dict:
+    return {"name": info.name, "src": info.src, "pinned": info.pinned, "loaded": info.loaded, "rank": info.rank,
+            "target_modules": list(info.targets)}
 
 
 def json_response(payload: object, status: int = 200) -> Response:

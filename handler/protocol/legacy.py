@@ -58,6 +58,9 @@ class LegacyParameters(StopAndTextFields):
     truncate: int | None = Field(None, ge=1)      # TGI: keep only the last N tokens of the input
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
     grammar: LegacyGrammar | None = None          # TGI: a JSON schema or a regex the output follows
+    # the LoRA adapter to generate with: LMI's adapters (one name, or one per input), TGI's adapter_id
+    adapters: str | list[str] | None = None
+    adapter_id: str | None = Field(None, min_length=1)
 
     def sampling_params(self) -> SamplingParams:
         sampled = self.do_sample or self.temperature not in (None, 0.0) or self.top_p is not None or (
@@ -110,12 +113,27 @@ class LegacyRequest(BaseModel):
             raise BadRequest("decoder_input_details is not available with stream: true",
                              param="parameters.decoder_input_details")
         p = self.parameters
+        if isinstance(p.adapters, list) and len(p.adapters) != len(self.prompts):
+            raise BadRequest(f"parameters.adapters names {len(p.adapters)} adapters for {len(self.prompts)} inputs; "
+                             "give one name, or one per input", param="parameters.adapters")
+        if p.adapters is not None and p.adapter_id is not None:
+            raise BadRequest("parameters.adapters (LMI) and parameters.adapter_id (TGI) name the same thing; send one",
+                             param="parameters.adapter_id")
         p.stop_strings()
         if p.min_new_tokens is not None and "min_tokens" in p.model_fields_set:
             raise BadRequest("min_new_tokens and min_tokens are the same setting; send one",
                              param="parameters.min_new_tokens")
         check_min_tokens(p.minimum, p.max_new_tokens, "parameters.min_new_tokens" if p.min_new_tokens is not None
                          else "parameters.min_tokens", "parameters.max_new_tokens")
+
+    def adapter_names(self) -> list[tuple[str | None, str]]:
+        """Each input's adapter (None: the base model) and the field that named it."""
+        p = self.parameters
+        if isinstance(p.adapters, list):
+            return [(name or None, f"parameters.adapters[{i}]") for i, name in enumerate(p.adapters)]
+        if p.adapters:
+            return [(p.adapters, "parameters.adapters")] * len(self.prompts)
+        return [(p.adapter_id, "parameters.adapter_id")] * len(self.prompts)
 
     def to_generation_requests(self, prompt_ids: list[list[int]],
                                default_max_new_tokens: int) -> list[GenerationRequest]:
@@ -136,5 +154,5 @@ class LegacyRequest(BaseModel):
                                   num_top_logprobs=p.top_n_tokens or 0,
                                   prompt_logprobs=0 if p.decoder_input_details else None,
                                   truncate_prompt=p.error_behavior == "truncate", grammar=grammar,
-                                  prompt_param="inputs")
-                for ids in prompt_ids]
+                                  prompt_param="inputs", adapter=adapter, adapter_param=adapter_param)
+                for ids, (adapter, adapter_param) in zip(prompt_ids, self.adapter_names(), strict=True)]
