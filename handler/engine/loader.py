@@ -43,8 +43,11 @@ def create_backend(settings: Settings, limits: EngineLimits, on_parts: PartsList
         from handler.engine.vllm.backend import VllmBackend  # imports vLLM: only when it serves
         from handler.engine.vllm.prepare import prepare
 
-        return VllmBackend(lambda: prepare(settings, limits.max_model_len, on_parts), limits, admission, on_stats,
-                           on_ready, on_failed)
+        backend = VllmBackend(lambda: prepare(settings, limits.max_model_len, on_parts), limits, admission, on_stats,
+                              on_ready, on_failed)
+        if settings.enable_lora:
+            backend.enable_adapters(settings.max_lora_rank)
+        return backend
     check_lean_settings(settings)
     from handler.engine.lean.engine import Engine
     from handler.engine.lean.load import load_for

@@ -96,6 +96,9 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:
         kwargs["speculative_config"] = speculative_config(settings)
+    if settings.enable_lora:  # untested here (make test-vllm): vLLM's own names
+        kwargs.update(enable_lora=True, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
+                      max_cpu_loras=settings.max_loras)
     if is_encoder(model_config):
         kwargs.update(pooling_kwargs(settings))
     if tensor * pipeline > 1 and placement.device == "cpu":

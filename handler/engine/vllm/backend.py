@@ -36,10 +36,11 @@ from handler.engine.types import (
     FinishReason,
     GenerationRequest,
 )
+from handler.engine.vllm.adapters import VllmAdapters
 from handler.engine.vllm.args import check_request, fit_prompt
 from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
-from handler.errors import BadRequest, EngineError, NotReady, Unprocessable
+from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class VllmBackend:
         self._last_stats: EngineStats | None = None
         self._embeds_only = False      # an encoder on vLLM's pooling runner
         self._ids = itertools.count()
+        self._adapters: VllmAdapters | None = None  # option.enable_lora (``set_adapters``)
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -121,9 +123,29 @@ class VllmBackend:
             check_grammar(request)
         if request.beam is not None:
             check_beams(request, self._vocab.eos_token_ids, self._engine.model_config.max_logprobs)
-        state = VllmRequestState(request, self._new_sequence, deadline=self._admission.deadline(request.arrived_at))
+        state = VllmRequestState(request, self._new_sequence, deadline=self._admission.deadline(request.arrived_at),
+                                 adapter=self._resolve_adapter(request))
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
+
+    def enable_adapters(self, max_rank: int) -> None:
+        """Serve LoRA adapters (option.enable_lora; vLLM was started with ``enable_lora``). Untested here."""
+        self._adapters = VllmAdapters(lambda: self._engine, lambda: self._loop, max_rank)
+
+    @property
+    def adapters(self) -> VllmAdapters | None:
+        return self._adapters if self.is_ready else None
+
+    def _resolve_adapter(self, request: GenerationRequest) -> object | None:
+        if request.adapter is None:
+            return None
+        if self._adapters is None:
+            raise NotFound(f"The adapter {request.adapter} was not found: this server serves no adapters "
+                           "(option.enable_lora=true serves them)", param=request.adapter_param,
+                           code="adapter_not_found")
+        if request.beam is not None:
+            raise BadRequest("beam search with a LoRA adapter is not served on vLLM here", param=request.adapter_param)
+        return self._adapters.resolve(request.adapter, request.adapter_param)
 
     def _check_ready(self) -> None:
         if not self.is_ready or self._stopping.is_set():

@@ -74,7 +74,8 @@ class ChoiceRunner:
             kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
         outputs = self._engine.generate(TokensPrompt(**prompt_inputs(request)), params,
-                                        f"{request.request_id}-{index}-{next(self._ids)}")
+                                        f"{request.request_id}-{index}-{next(self._ids)}",
+                                        lora_request=state.adapter)  # a LoRARequest, or None: the base model
         sequence = None
         try:
             async for output in outputs:
