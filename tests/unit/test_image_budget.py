@@ -430,9 +430,11 @@ def test_admission_counts_the_deadline_from_arrival_when_the_request_says() -> N
 def test_chat_requests_carry_the_time_they_arrived_before_rendering() -> None:
     class Renderer:
         tool_format, tool_marker_id, has_chat_template = "hermes", None, True
+        reasoning_parser, reasoning_keep_ids = None, ()
         rendered_at = 0.0
 
-        def render_prompt(self, messages, tools=None, images=None, arrived_at=None) -> RenderedPrompt:
+        def render_prompt(self, messages, tools=None, images=None, arrived_at=None,
+                          template_kwargs=None) -> RenderedPrompt:
             time.sleep(0.05)                           # stands in for fetching and encoding images
             Renderer.rendered_at = time.monotonic()
             return RenderedPrompt((1, 2, 3))
