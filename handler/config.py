@@ -145,6 +145,9 @@ class Settings(BaseModel):
     extra_parameters: Literal["error", "ignore", "pass-through"] = "error"
     # legacy schema, non-streaming, string input: lmi = one object (LMI), tgi = a one-element list (TGI, HF LLM DLC)
     legacy_response: Literal["lmi", "tgi"] = "lmi"
+    # Responses API: how many stored responses (store: true) each worker keeps for previous_response_id and
+    # GET /v1/responses/{id}, the least recently used forgotten first; 0 stores none
+    responses_store_size: int = Field(1000, ge=0)
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.
     max_queue_size: int = Field(64, ge=1)

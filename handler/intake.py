@@ -15,12 +15,14 @@ import dataclasses
 import time
 
 from handler.engine.types import EmbeddingRequest, GenerationRequest
-from handler.errors import BadRequest, Unprocessable
+from handler.errors import BadRequest, ServingError, Unprocessable
 from handler.prompt.renderer import PromptRenderer
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.completions import CompletionRequest, check_token_ids
 from handler.protocol.embeddings import EmbeddingRequestBody
 from handler.protocol.legacy import LegacyRequest
+from handler.protocol.responses import ResponsesRequest, new_response_id, responses_error, responses_param
+from handler.protocol.structured import OutputPlan
 
 
 def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer,
@@ -45,6 +47,24 @@ def _with_reasoning(generation: GenerationRequest, renderer: PromptRenderer) -> 
         grammar = dataclasses.replace(grammar, after_reasoning=gate)
     keep = generation.keep_special_ids + renderer.reasoning_keep_ids
     return dataclasses.replace(generation, grammar=grammar, keep_special_ids=keep)
+
+
+def responses_request(parsed: ResponsesRequest, history: list[dict], renderer: PromptRenderer,
+                      default_temperature: float) -> tuple[GenerationRequest, OutputPlan, list[str]]:
+    """A Responses request as the chat request it converts into (``history``: the stored conversation it
+    continues, then its own input), rendered and converted as chat is; errors name the Responses fields. Also the
+    output plan (tool format) and which field each message came from, for errors the engine raises later."""
+    parsed.check()
+    chat, fields = parsed.to_chat(history)
+    try:
+        generation = chat_request(chat, renderer, default_temperature)
+    except ServingError as error:
+        raise responses_error(error, fields) from None
+    grammar = generation.grammar
+    if grammar is not None:
+        grammar = dataclasses.replace(grammar, param=responses_param(grammar.param, fields) or grammar.param)
+    generation = dataclasses.replace(generation, request_id=new_response_id(), prompt_param="input", grammar=grammar)
+    return generation, chat.output_plan(renderer), fields
 
 
 def legacy_requests(parsed: LegacyRequest, renderer: PromptRenderer,

@@ -1,7 +1,12 @@
 """HTTP routes. Each one parses, converts, submits and formats; the schema and framing pick the functions.
 
 ``/invocations`` sniffs the body: ``messages`` means chat completions (it wins when ``inputs`` is there too),
-else ``inputs`` means the legacy schema, else ``prompt`` means completions, else 400 naming the three fields.
+else ``inputs`` means the legacy schema, else ``prompt`` means completions, else ``input`` means a Responses request
+or embeddings (``sniff_schema`` says which), else 400 naming the fields.
+
+The legacy schema's answers are spelled as LMI's or as TGI's (``LegacyShape``): TGI's on TGI's own routes
+(``/generate``, ``/generate_stream``, ``POST /``), under ``option.legacy_response=tgi``, and for TGI's own client
+(``huggingface_hub``'s ``InferenceClient``, known by its User-Agent), which streams only server-sent events.
 
 The ``extra-parameters`` request header (Azure ML) says what to do with undeclared body fields (error, ignore,
 pass-through; see ``protocol/common.py``); fields it dropped are named in the ``extra-parameters-ignored`` header.
@@ -17,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from flask import Flask, Response, g, request
@@ -43,7 +49,14 @@ from handler.formatting import chat as chat_format
 from handler.formatting import completions as completions_format
 from handler.formatting import embeddings as embeddings_format
 from handler.formatting import legacy as legacy_format
-from handler.formatting.context import ChatContext, CompletionsContext, FormatContext, LegacyContext
+from handler.formatting import responses as responses_format
+from handler.formatting.context import (
+    ChatContext,
+    CompletionsContext,
+    FormatContext,
+    LegacyContext,
+    ResponsesContext,
+)
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.protocol import tokenize
 from handler.protocol.adapters import ADAPTER_HEADERS, RegisterAdapter
@@ -60,7 +73,9 @@ from handler.protocol.common import (
 from handler.protocol.completions import CompletionRequest
 from handler.protocol.embeddings import EmbeddingRequestBody
 from handler.protocol.legacy import LegacyRequest
+from handler.protocol.responses import ResponsesRequest, responses_error
 from handler.request_log import ObservedHandle
+from handler.response_store import StoredResponse
 from handler.service import ModelService
 
 log = logging.getLogger(__name__)
@@ -86,6 +101,12 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     app.add_url_rule("/v1/models/<path:model_id>", view_func=routes.model, methods=["GET"])
     app.add_url_rule("/metrics", view_func=routes.metrics, methods=["GET"])
     app.add_url_rule("/v1/embeddings", view_func=routes.embeddings, methods=["POST"])
+    app.add_url_rule("/v1/responses", view_func=routes.responses, methods=["POST"])
+    app.add_url_rule("/generate", view_func=routes.generate, methods=["POST"])
+    app.add_url_rule("/generate_stream", view_func=routes.generate_stream, methods=["POST"])
+    app.add_url_rule("/", view_func=routes.tgi_root, methods=["POST"])
+    app.add_url_rule("/v1/responses/<response_id>", view_func=routes.stored_response, methods=["GET"])
+    app.add_url_rule("/v1/responses/<response_id>", view_func=routes.delete_response, methods=["DELETE"])
     app.add_url_rule("/tokenize", view_func=routes.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=routes.detokenize, methods=["POST"])
     app.add_url_rule("/adapters", view_func=routes.register_adapter, methods=["POST"])
@@ -101,16 +122,26 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     return app
 
 
-# OpenAI routes this server does not have, and what to use instead
-_NOT_SERVED = {
-    "/v1/responses": "the Responses API is not served by this server; use /v1/chat/completions",
-}
+@dataclass(frozen=True, slots=True)
+class LegacyShape:
+    """How a legacy-schema answer is spelled."""
+
+    is_tgi: bool        # TGI's names (formatting.legacy) and TGI's server-sent events when streaming
+    one_object: bool    # a string input is answered with one object (LMI, TGI's /generate), not a one-element list
+
+
+LMI_SHAPE = LegacyShape(is_tgi=False, one_object=True)
+TGI_SAGEMAKER_SHAPE = LegacyShape(is_tgi=True, one_object=False)   # TGI's /invocations, the HF LLM DLC
+TGI_ROUTES_SHAPE = LegacyShape(is_tgi=True, one_object=True)       # TGI's /generate, /generate_stream, POST /
+# huggingface_hub's User-Agent ("...; hf_hub/2.4.0; ..."). Its InferenceClient reads only "data:" lines and sends
+# "Accept: */*", as python-requests does (and JSON-lines callers with it), so the Accept header cannot tell it apart.
+# SageMaker does not forward a caller's User-Agent, so nothing behind InvokeEndpoint is affected.
+TGI_CLIENT_AGENT = "hf_hub/"
 
 
 def _no_route() -> NotFound:
     """404 naming the route (on /v1/* in OpenAI's shape, elsewhere in the legacy shape)."""
-    reason = _NOT_SERVED.get(request.path.rstrip("/"), "no such route")
-    return NotFound(f"{request.method} {request.path}: {reason}", code="not_found")
+    return NotFound(f"{request.method} {request.path}: no such route", code="not_found")
 
 
 class Routes:
@@ -118,7 +149,7 @@ class Routes:
         self.service = service
         self.is_draining = is_draining
         self.handlers = {"chat": self._chat, "legacy": self._legacy, "completions": self._completions,
-                         "embeddings": self._embeddings}
+                         "embeddings": self._embeddings, "responses": self._responses}
         self.created = int(time.time())  # /v1/models' "created": when this server started
         self.watcher = DisconnectWatcher()  # cancels the generation of a client that closed its connection
 
@@ -134,7 +165,7 @@ class Routes:
 
     def invocations(self) -> Response:
         body = read_json()
-        schema = sniff_schema(body)
+        schema = sniff_schema(body, self.service.engine.embeds_only)
         g.schema = schema
         if schema == "chat":
             body.pop("inputs", None)  # documented: messages wins when a body carries both
@@ -153,6 +184,33 @@ class Routes:
     def embeddings(self) -> Response:
         g.schema = "embeddings"
         return self._embeddings(read_json(), "json")
+
+    def generate(self) -> Response:
+        """TGI's ``/generate``: one input, one object."""
+        return self._tgi(read_json(), stream=False)
+
+    def generate_stream(self) -> Response:
+        """TGI's ``/generate_stream``: one input, TGI's server-sent events."""
+        return self._tgi(read_json(), stream=True)
+
+    def tgi_root(self) -> Response:
+        """TGI's ``POST /``: ``/generate`` or ``/generate_stream`` as the body's ``stream`` says."""
+        body = read_json()
+        return self._tgi(body, stream=body.get("stream") is True)
+
+    def responses(self) -> Response:
+        g.schema = "responses"
+        return self._responses(read_json(), "sse")
+
+    def stored_response(self, response_id: str) -> Response:
+        g.schema = "responses"
+        return json_response(self._stored(response_id).response)
+
+    def delete_response(self, response_id: str) -> Response:
+        g.schema = "responses"
+        if not self.service.responses.delete(response_id):
+            raise self._unknown_response(response_id, "response_id")
+        return json_response(responses_format.deleted(response_id))
 
     def models(self) -> Response:
         return json_response({"object": "list", "data": [self._model_card()]})
@@ -194,7 +252,20 @@ class Routes:
         return stream_response(records, framing, [handle],
                                lambda e: chat_format.error_record(e))
 
-    def _legacy(self, body: dict, framing: str) -> Response:
+    def _tgi(self, body: dict, stream: bool) -> Response:
+        g.schema = "legacy"
+        if not isinstance(body.get("inputs"), str):
+            raise BadRequest("TGI's routes take one input: a string", param="inputs")
+        return self._legacy({**body, "stream": stream}, "tgi_sse", TGI_ROUTES_SHAPE)
+
+    def _legacy_shape(self) -> LegacyShape:
+        """On /invocations: TGI's spelling for TGI's client and under ``option.legacy_response=tgi``."""
+        if self.service.settings.legacy_response == "tgi":
+            return TGI_SAGEMAKER_SHAPE
+        return TGI_ROUTES_SHAPE if TGI_CLIENT_AGENT in request.headers.get("User-Agent", "") else LMI_SHAPE
+
+    def _legacy(self, body: dict, framing: str, shape: LegacyShape | None = None) -> Response:
+        shape = shape or self._legacy_shape()
         parsed, extras = self._parse(LegacyRequest, body)
         self._note(bool(parsed.stream), body.get("inputs"))
         generations = self._with_adapter([extras.apply(generation) for generation in intake.legacy_requests(
@@ -203,10 +274,12 @@ class Routes:
         p = parsed.parameters
         ctx = self._context(LegacyContext, generations[0].request_id, None,
                             want_logprobs=p.details or p.decoder_input_details, want_prefill=p.decoder_input_details,
-                            return_full_text=p.return_full_text, want_top_tokens=bool(p.top_n_tokens))
+                            return_full_text=p.return_full_text, want_top_tokens=bool(p.top_n_tokens),
+                            is_tgi=shape.is_tgi, seed=p.seed)
         if parsed.stream:
             records = legacy_format.generated_lines(handles[0], parsed.prompts[0], ctx)
-            return stream_response(records, framing, handles, lambda e: legacy_format.error_line(e.message))
+            return stream_response(records, "tgi_sse" if shape.is_tgi else framing, handles,
+                                   lambda e: legacy_format.error_line(e.message))
         try:
             pairs = zip(handles, parsed.prompts, strict=True)
             results = [legacy_format.generated(h, prompt, ctx) for h, prompt in pairs]
@@ -214,8 +287,7 @@ class Routes:
             for handle in handles:  # when one prompt failed, the others stop too
                 handle.cancel()
         # LMI answers a string input with one object; TGI and the HF LLM DLC with a one-element list
-        one_object = not parsed.is_batch and self.service.settings.legacy_response == "lmi"
-        return json_response(results[0] if one_object else results)
+        return json_response(results[0] if not parsed.is_batch and shape.one_object else results)
 
     def _completions(self, body: dict, framing: str) -> Response:
         parsed, extras = self._parse(CompletionRequest, body)
@@ -255,6 +327,52 @@ class Routes:
         record.num_prompt_tokens = result.num_tokens
         return json_response(embeddings_format.embedding_list(result, parsed.model or self.service.model_name,
                                                               parsed.encoding_format))
+
+    def _responses(self, body: dict, framing: str) -> Response:
+        """OpenAI's Responses: converted into the chat request and served as chat is; formatted as a ``response``
+        object or typed events; kept in this worker's store unless ``store`` is false."""
+        parsed, extras = self._parse(ResponsesRequest, body)
+        self._note(parsed.stream, body.get("input"))
+        renderer = self._renderer(generates="input")
+        history = self._conversation(parsed)
+        generation, plan, fields = intake.responses_request(parsed, history, renderer,
+                                                            self.service.defaults.temperature)
+        try:
+            handle = self._submit(extras.apply(generation))
+        except ServingError as error:
+            raise responses_error(error, fields) from None
+        ctx = self._context(ResponsesContext, generation.request_id, parsed.model, echo=parsed.echo(),
+                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
+        keep = (lambda result: self.service.responses.put(StoredResponse(result, tuple(history)))) \
+            if parsed.store else (lambda result: None)
+        if not parsed.stream:
+            try:
+                result = responses_format.response(handle, ctx)
+            finally:
+                handle.cancel()
+            keep(result)
+            return json_response(result)
+        stream = responses_format.ResponseEvents(ctx)
+        records = _keeping(stream.events(handle), keep)
+        return stream_response(records, "typed_sse" if framing == "sse" else framing, [handle], stream.error_event)
+
+    def _conversation(self, parsed: ResponsesRequest) -> list[dict]:
+        """The items a request answers: the stored conversation it continues, then its own input."""
+        if parsed.previous_response_id is None:
+            return parsed.input_items()
+        return self._stored(parsed.previous_response_id, "previous_response_id").conversation + parsed.input_items()
+
+    def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        stored = self.service.responses.get(response_id)
+        if stored is None:
+            raise self._unknown_response(response_id, param)
+        return stored
+
+    def _unknown_response(self, response_id: str, param: str) -> NotFound:
+        return NotFound(f"no response with id '{response_id}' is stored in this worker (responses are kept in the "
+                        f"memory of the worker that answered them, the latest {self.service.responses.capacity})",
+                        param=param, code="previous_response_not_found" if param == "previous_response_id"
+                        else "response_not_found")
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _parse(self, model: type[Model], body: dict) -> tuple[Model, Extras]:
@@ -491,7 +609,12 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def sniff_schema(body: dict) -> str:
+# fields of a Responses request that an embeddings body does not have: any of them makes an ``input`` body a
+# Responses request
+_RESPONSES_ONLY = frozenset(ResponsesRequest.model_fields) - frozenset(EmbeddingRequestBody.model_fields)
+
+
+def sniff_schema(body: dict, embeds_only: bool = False) -> str:
     if "messages" in body:
         return "chat"
     if "inputs" in body:
@@ -499,9 +622,25 @@ def sniff_schema(body: dict) -> str:
     if "prompt" in body:
         return "completions"
     if "input" in body:
-        return "embeddings"
+        return "embeddings" if embeds_only or not is_responses_body(body) else "responses"
     raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema), 'prompt' "
-                     "(completions) and 'input' (embeddings)", param="messages")
+                     "(completions) and 'input' (Responses, or embeddings)", param="messages")
+
+
+def is_responses_body(body: dict) -> bool:
+    """``input`` with a field only Responses has (``instructions``, ``max_output_tokens``, ``stream``, ...), or an
+    ``input`` list holding items (objects): a Responses request. ``input`` alone (text or token ids) stays the
+    Databricks embeddings body it has always been here."""
+    items = body.get("input")
+    return bool(_RESPONSES_ONLY & body.keys()) or (isinstance(items, list) and any(isinstance(i, dict) for i in items))
+
+
+def _keeping(records: Iterable[dict], keep: Callable[[dict], None]) -> Iterator[dict]:
+    """Pass a Responses stream through, keeping the finished response when it ends (not a failed one)."""
+    for record in records:
+        if record["type"] in ("response.completed", "response.incomplete"):
+            keep(record["response"])
+        yield record
 
 
 def _adapter_card(info: AdapterInfo) -> dict:

@@ -19,6 +19,7 @@ from handler.errors import ConfigError, NotFound
 from handler.preflight import context_length
 from handler.prompt.renderer import PromptRenderer
 from handler.prompt.vision import VisionRenderer, image_loader
+from handler.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ModelService:
         else:
             self.engine = HandlerOnly(self.user_handler.name)
         self.defaults = request_defaults(settings)
+        self.responses = ResponseStore(settings.responses_store_size)  # this worker's stored Responses
 
     def start(self) -> None:
         self.engine.start()

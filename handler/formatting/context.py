@@ -53,6 +53,15 @@ class LegacyContext(FormatContext):
     want_prefill: bool = False           # decoder_input_details: the prompt's tokens in details.prefill
     return_full_text: bool = False       # return_full_text: the prompt before the generated text
     want_top_tokens: bool = False        # top_n_tokens
+    is_tgi: bool = False                 # TGI's spelling: "logprob", stream "index", details' "seed" / "input_length"
+    seed: int | None = None              # the request's seed (TGI's details report it)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesContext(FormatContext):
+    echo: dict = field(default_factory=dict)  # the request fields the response object repeats (protocol's echo())
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
 
 
 @dataclass(slots=True)

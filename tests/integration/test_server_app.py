@@ -17,6 +17,7 @@ from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady, Overloaded
 from handler.prompt.renderer import PromptRenderer
+from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 
@@ -105,7 +106,7 @@ class FakeService(types.SimpleNamespace):
 @pytest.fixture()
 def service(renderer: PromptRenderer) -> FakeService:
     return FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256),
-                       renderer=renderer, engine=FakeEngine(), user_handler=None)
+                       renderer=renderer, engine=FakeEngine(), user_handler=None, responses=ResponseStore(8))
 
 
 @pytest.fixture()
@@ -344,8 +345,9 @@ def test_unknown_route_and_method(client) -> None:
     response = client.post("/v1/nope", json={})
     assert response.status_code == 404 and response.get_json()["error"] == {
         "message": "POST /v1/nope: no such route", "type": "invalid_request_error", "param": None, "code": "not_found"}
-    error = client.post("/v1/responses", json={"input": "x"}).get_json()["error"]
-    assert "Responses API" in error["message"] and error["code"] == "not_found"
+    response = client.get("/v1/responses/resp_nope")  # the Responses API is served: an unknown id, not a route
+    assert response.status_code == 404 and response.get_json()["error"]["param"] == "response_id"
+    assert "resp_nope" in response.get_json()["error"]["message"]
     response = client.delete("/v1/chat/completions")
     assert response.status_code == 405 and response.get_json()["error"]["code"] == "method_not_allowed"
 
