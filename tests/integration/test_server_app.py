@@ -404,6 +404,38 @@ def test_legacy_response_tgi_answers_a_string_input_with_a_list(service) -> None
     assert batch == [{"generated_text": "Hello world"}] * 2
 
 
+TGI_FRAMES = (
+    'data: {"index":1,"token":{"id":19556,"text":"Hello","logprob":-0.5,"special":false},"generated_text":null,'
+    '"details":null}\n\n'
+    'data: {"index":2,"token":{"id":905,"text":" world","logprob":-0.25,"special":false},"generated_text":null,'
+    '"details":null}\n\n'
+    'data: {"index":3,"token":{"id":2,"text":"","logprob":-0.125,"special":true},"generated_text":"Hello world",'
+    '"details":null}\n\n')
+
+
+def test_legacy_response_tgi_streams_tgis_sse(service) -> None:
+    """option.legacy_response=tgi streams as TGI does (its SSE, no [DONE], its names), whatever Accept says."""
+    service.settings = Settings(legacy_response="tgi")
+    client = server.create_app(service).test_client()
+    for headers in ({}, {"Accept": "application/jsonlines"}, {"Accept": "text/event-stream"}):
+        response = post(client, "/invocations", {"inputs": "x", "stream": True}, headers=headers)
+        assert response.mimetype == "text/event-stream" and response.data == TGI_FRAMES.encode()
+
+
+def test_tgi_routes_and_tgis_client_get_tgis_shape_on_default_settings(client) -> None:
+    assert post(client, "/generate_stream", {"inputs": "x"}).data == TGI_FRAMES.encode()
+    assert post(client, "/", {"inputs": "x", "stream": True}).data == TGI_FRAMES.encode()
+    assert post(client, "/generate", {"inputs": "x"}).get_json() == {"generated_text": "Hello world"}
+    assert post(client, "/", {"inputs": "x"}).get_json() == {"generated_text": "Hello world"}
+    refused = post(client, "/generate", {"inputs": ["x", "y"]})
+    assert refused.status_code == 400 and refused.get_json()["param"] == "inputs"
+    agent = {"User-Agent": "unknown/None; hf_hub/2.4.0; python/3.11.7"}  # huggingface_hub's InferenceClient
+    streamed = post(client, "/invocations", {"inputs": "x", "stream": True}, headers={"Accept": "*/*", **agent})
+    assert streamed.data == TGI_FRAMES.encode()
+    lines = post(client, "/invocations", {"inputs": "x", "stream": True}, headers={"Accept": "*/*"})
+    assert lines.mimetype == "application/jsonlines"  # python-requests sends the same Accept
+
+
 def test_output_formatter_setting_picks_the_default_framing(service, renderer) -> None:
     service.settings = Settings(output_formatter="sse")
     client = server.create_app(service).test_client()
