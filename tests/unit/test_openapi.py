@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from handler.protocol import chat, completions, constraints, embeddings, legacy, structured, tokenize
+from handler.protocol import chat, completions, constraints, embeddings, legacy, responses, structured, tokenize
 
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SCHEMAS = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
@@ -43,6 +43,11 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("EmbeddingRequestBody",): embeddings.EmbeddingRequestBody,
     ("StructuredOutputs",): constraints.StructuredOutputs,
     ("LegacyGrammar",): constraints.LegacyGrammar,
+    **{(model.__name__,): model for model in (
+        responses.InputText, responses.InputImage, responses.OutputText, responses.Refusal, responses.MessageItem,
+        responses.FunctionCallItem, responses.FunctionCallOutputItem, responses.FunctionTool,
+        responses.ToolChoiceFunction, responses.TextFormat, responses.TextConfig, responses.Reasoning,
+        responses.ResponsesRequest)},
 }
 # Fields shared by several request models, written in each of theirs (as common.py's mixins are).
 MIXINS = {constraints.ConstraintFields}
@@ -66,7 +71,7 @@ def test_yaml_properties_and_required_match_the_model(path: tuple) -> None:
 def test_every_request_model_is_in_the_yaml() -> None:
     defined = {
         value
-        for module in (chat, completions, constraints, embeddings, legacy, structured, tokenize)
+        for module in (chat, completions, constraints, embeddings, legacy, responses, structured, tokenize)
         for value in vars(module).values()
         if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__
     }
