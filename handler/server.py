@@ -187,14 +187,17 @@ class Routes:
 
     def generate(self) -> Response:
         """TGI's ``/generate``: one input, one object."""
+        g.schema = "legacy"  # errors in the legacy shape, an unreadable body's too
         return self._tgi(read_json(), stream=False)
 
     def generate_stream(self) -> Response:
         """TGI's ``/generate_stream``: one input, TGI's server-sent events."""
+        g.schema = "legacy"
         return self._tgi(read_json(), stream=True)
 
     def tgi_root(self) -> Response:
         """TGI's ``POST /``: ``/generate`` or ``/generate_stream`` as the body's ``stream`` says."""
+        g.schema = "legacy"
         body = read_json()
         return self._tgi(body, stream=body.get("stream") is True)
 
@@ -253,7 +256,6 @@ class Routes:
                                lambda e: chat_format.error_record(e))
 
     def _tgi(self, body: dict, stream: bool) -> Response:
-        g.schema = "legacy"
         if not isinstance(body.get("inputs"), str):
             raise BadRequest("TGI's routes take one input: a string", param="inputs")
         return self._legacy({**body, "stream": stream}, "tgi_sse", TGI_ROUTES_SHAPE)
