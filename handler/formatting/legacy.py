@@ -2,6 +2,12 @@
 
 With ``decoder_input_details``, ``details.prefill`` lists the prompt's tokens as TGI does: ``{"id", "text",
 "logprob"}`` (TGI's key, not LMI's ``log_prob``), the first token's logprob null.
+
+TGI's spelling (``LegacyContext.is_tgi``: ``option.legacy_response=tgi``, TGI's own routes, TGI's clients) differs
+from LMI's in a few names, which TGI's clients (``huggingface_hub.InferenceClient``, ``text_generation``) parse:
+tokens carry ``logprob``; stream records count themselves in ``index`` (from 1) and the last one's ``details`` are
+``{finish_reason, generated_tokens, seed, input_length}``; ``details`` always has ``prefill`` and ``seed`` and no
+``inputs``.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ FINISH_REASONS = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequen
                   FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
 
 
-def _token(event: TokenEvent, text: str) -> dict:
-    return {"id": event.token_id, "text": text, "log_prob": event.logprob, "special": event.is_special}
+def _token(event: TokenEvent, text: str, ctx: LegacyContext) -> dict:
+    return {"id": event.token_id, "text": text, _logprob_key(ctx): event.logprob, "special": event.is_special}
+
+
+def _logprob_key(ctx: FormatContext) -> str:
+    return "logprob" if getattr(ctx, "is_tgi", False) else "log_prob"
 
 
 def _top_tokens(event: TokenEvent, ctx: FormatContext) -> list[dict]:
-    return [{"id": t.token_id, "text": ctx.token_text(t.token_id), "log_prob": t.logprob,
+    return [{"id": t.token_id, "text": ctx.token_text(t.token_id), _logprob_key(ctx): t.logprob,
              "special": False} for t in event.top_logprobs]
 
 
@@ -29,13 +39,13 @@ def _details(choice: ChoiceResult, prompt: str, ctx: LegacyContext) -> dict:
     details = {
         "finish_reason": FINISH_REASONS[choice.finish.finish_reason],
         "generated_tokens": choice.finish.num_generated_tokens,
-        "inputs": prompt,
+        **({"seed": ctx.seed, "prefill": []} if ctx.is_tgi else {"inputs": prompt}),
     }
     if ctx.want_prefill:  # the prompt's logprobs ride on the first token's event
         prefill = tokens[0].prompt_logprobs if tokens else ()
         details["prefill"] = [{"id": p.token_id, "text": ctx.token_text(p.token_id), "logprob": p.logprob}
                               for p in prefill]
-    details["tokens"] = [_token(e, ctx.token_text(e.token_id)) for e in tokens]
+    details["tokens"] = [_token(e, ctx.token_text(e.token_id), ctx) for e in tokens]
     if ctx.want_top_tokens:
         details["top_tokens"] = [_top_tokens(e, ctx) for e in tokens]
     return details
@@ -53,9 +63,11 @@ def generated(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContext) -> 
 def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContext) -> Iterator[dict]:
     """One record per token; the last also carries ``generated_text`` (and ``details`` when asked)."""
     text = prompt if ctx.return_full_text else ""
-    for event in events:
+    for number, event in enumerate(events, start=1):
         text += event.text
-        line = {"token": _token(event, event.text), "generated_text": None, "details": None}
+        line = {"token": _token(event, event.text, ctx), "generated_text": None, "details": None}
+        if ctx.is_tgi:
+            line = {"index": number, **line}
         if ctx.want_top_tokens and event.token_id is not None:
             line["top_tokens"] = _top_tokens(event, ctx)
         if event.finish_reason is None:
@@ -68,6 +80,8 @@ def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContex
         if ctx.want_logprobs:
             line["details"] = {"finish_reason": FINISH_REASONS[event.finish_reason],
                                "generated_tokens": event.num_generated_tokens}
+            if ctx.is_tgi:
+                line["details"].update(seed=ctx.seed, input_length=event.num_prompt_tokens)
         yield line
 
 
