@@ -20,7 +20,7 @@ import requests
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel
 
-from tests.e2e.conftest import RunningServer, post, start_server, stop_server
+from tests.e2e.conftest import RunningServer, local_runtime, post, runtime_client, start_server, stop_server
 
 QUESTION = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -166,6 +166,20 @@ def test_invocations_sniffs_a_responses_body_and_keeps_the_embeddings_body(base:
     sse = post(base, {"input": QUESTION, "max_output_tokens": 3, "stream": True},
                headers={"Accept": "text/event-stream"})
     assert sse.text.startswith("event: response.created\ndata: {")
+
+
+def test_a_responses_stream_through_sagemaker_is_json_lines_of_events(base: str) -> None:
+    """boto3's invoke_endpoint_with_response_stream, through the local runtime's 16-byte PayloadParts."""
+    body = {"input": QUESTION, "max_output_tokens": 6, "temperature": 0, "stream": True, "store": False}
+    for runtime_url in local_runtime(base):
+        runtime = runtime_client(runtime_url)
+        answer = runtime.invoke_endpoint_with_response_stream(EndpointName="local", ContentType="application/json",
+                                                              Body=json.dumps(body))
+        buffer = b"".join(event["PayloadPart"]["Bytes"] for event in answer["Body"])
+    records = [json.loads(line) for line in buffer.decode().splitlines()]
+    assert records[0]["type"] == "response.created" and records[-1]["type"] == "response.incomplete"
+    text = "".join(r["delta"] for r in records if r["type"] == "response.output_text.delta")
+    assert text == records[-1]["response"]["output"][0]["content"][0]["text"] and "Paris" in text
 
 
 # ---- TGI's client ------------------------------------------------------------------------------------------------
