@@ -573,3 +573,61 @@ def test_legacy_batch_failure_cancels_the_other_prompts(client, service) -> None
     assert response.status_code == 500
     assert response.get_json()["error"] == "generation failed: boom"
     assert all(h.cancelled >= 1 for h in service.engine.handles)
+
+
+# ---- the Responses API ------------------------------------------------------------------------------------------
+
+RESPONSES = {"input": "hi", "max_output_tokens": 5}
+
+
+def frames(response) -> list[tuple[str, dict]]:
+    """(event name, record) of each typed SSE frame; every frame is ``event:`` + ``data:`` + a blank line."""
+    raw = response.data.decode().split("\n\n")
+    assert raw[-1] == ""
+    pairs = []
+    for frame in raw[:-1]:
+        event, data = frame.split("\n")
+        pairs.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return pairs
+
+
+def test_responses_stream_is_typed_sse_in_order(client, monkeypatch) -> None:
+    monkeypatch.setattr("handler.intake.new_response_id", lambda: "resp_test")
+    monkeypatch.setattr("handler.formatting.responses.new_item_id", lambda prefix: f"{prefix}_test")
+    response = post(client, "/v1/responses", {**RESPONSES, "stream": True})
+    assert response.mimetype == "text/event-stream" and response.headers["X-Request-Id"] == "resp_test"
+    pairs = frames(response)
+    assert all(name == record["type"] for name, record in pairs)
+    assert [name for name, _ in pairs] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert pairs[4][1] == {"type": "response.output_text.delta", "sequence_number": 4, "output_index": 0,
+                           "item_id": "msg_test", "content_index": 0, "delta": "Hello", "logprobs": []}
+    done = pairs[-1][1]["response"]
+    assert done["id"] == "resp_test" and done["created_at"] == CREATED and done["model"] == MODEL_NAME
+    assert done["output"] == [{"id": "msg_test", "type": "message", "role": "assistant", "status": "completed",
+                               "content": [{"type": "output_text", "text": "Hello world", "annotations": [],
+                                            "logprobs": []}]}]
+    assert client.get("/v1/responses/resp_test").get_json() == done  # stored as it was answered
+
+
+def test_responses_stream_failing_mid_stream_ends_with_response_failed(client, service) -> None:
+    service.engine.script = _failing_script(EngineError("the model step failed"))
+    pairs = frames(post(client, "/v1/responses", {**RESPONSES, "stream": True}))
+    assert pairs[-1][0] == "response.failed" and pairs[-1][1]["response"]["status"] == "failed"
+    assert pairs[-1][1]["response"]["error"] == {"code": "server_error", "message": "the model step failed"}
+    assert service.engine.handles[0].cancelled >= 1
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "see"}, {
+        "type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"}]}]},
+     "input[0].content[1]"),
+    ({"input": "hi", "previous_response_id": "resp_gone"}, "previous_response_id"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name", "parameters": None, "strict": None}]},
+     "tools[0].name"),
+])
+def test_responses_errors_name_the_responses_field(client, body: dict, param: str) -> None:
+    response = post(client, "/v1/responses", body)
+    assert response.status_code in (400, 404) and response.get_json()["error"]["param"] == param
