@@ -34,6 +34,10 @@ Error mapping (what a boto3 user sees):
 ``--invocation-timeout`` (default 60 s, SageMaker's real-time limit) bounds each wait for container data: the
 first byte of the answer and, for streams, every gap between reads.
 
+Adapters (inference components): ``InferenceComponentName`` naming one of ``--adapter-component`` reaches the
+container as ``X-Amzn-SageMaker-Adapter-Identifier`` (SageMaker routes an adapter component's invocations to its
+base component's container with the adapter named in that header); any other component name stays routing-only.
+
 Not emulated: SigV4 checking (any credentials pass), endpoint names (any name is accepted; the invoked
 variant is ``AllTraffic`` unless ``TargetVariant`` is given), the 6 MB payload limit, multi-model routing.
 ``GET /ping`` is an extra, not a SageMaker operation: it reports whether the container's ``/ping`` is 200.
@@ -102,6 +106,7 @@ class RuntimeConfig:
     region: str = "us-east-1"
     account_id: str = "000000000000"
     variant_name: str = "AllTraffic"
+    adapter_components: frozenset[str] = frozenset()  # inference components that are LoRA adapters
 
 
 class ServiceError(Exception):
@@ -157,9 +162,14 @@ def model_error(config: RuntimeConfig, endpoint: str, status: int, text: str) ->
     return ServiceError(424, "ModelError", body)
 
 
-def forward_headers(incoming: http.client.HTTPMessage, mapping: tuple[tuple[str, str], ...]) -> dict[str, str]:
-    """The container request headers: the mapped client headers plus no compression."""
+def forward_headers(incoming: http.client.HTTPMessage, mapping: tuple[tuple[str, str], ...],
+                    adapter_components: frozenset[str] = frozenset()) -> dict[str, str]:
+    """The container request headers: the mapped client headers, the adapter an adapter component names, and no
+    compression."""
     out = {target: incoming[source] for source, target in mapping if incoming.get(source) is not None}
+    component = incoming.get("X-Amzn-SageMaker-Inference-Component")
+    if component in adapter_components:
+        out["X-Amzn-SageMaker-Adapter-Identifier"] = component
     out["Accept-Encoding"] = "identity"
     return out
 
@@ -322,7 +332,8 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
     def _invoke(self, endpoint: str, body: bytes) -> None:
         """``InvokeEndpoint``: forward, then answer 200 with the container's body."""
         config = self.server.config
-        response = call_container(config, endpoint, body, forward_headers(self.headers, _INVOKE_REQUEST_HEADERS))
+        headers = forward_headers(self.headers, _INVOKE_REQUEST_HEADERS, config.adapter_components)
+        response = call_container(config, endpoint, body, headers)
         check_container_status(config, endpoint, response)
         with response:
             try:
@@ -337,7 +348,8 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
     def _invoke_stream(self, endpoint: str, body: bytes) -> None:
         """``InvokeEndpointWithResponseStream``: forward, then relay the body as PayloadPart events."""
         config = self.server.config
-        response = call_container(config, endpoint, body, forward_headers(self.headers, _STREAM_REQUEST_HEADERS))
+        headers = forward_headers(self.headers, _STREAM_REQUEST_HEADERS, config.adapter_components)
+        response = call_container(config, endpoint, body, headers)
         check_container_status(config, endpoint, response)
         with response:
             headers = self._passthrough_headers(response)
@@ -406,6 +418,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--invocation-timeout", type=float, default=60.0, help="seconds to wait for container data")
     parser.add_argument("--region", default="us-east-1", help="region used in error messages and ARNs")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--adapter-component", action="append", default=[], metavar="NAME",
+                        help="an inference component that is a LoRA adapter (repeatable): its InferenceComponentName "
+                             "reaches the container as X-Amzn-SageMaker-Adapter-Identifier")
     return parser.parse_args(argv)
 
 
@@ -420,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         max_part_bytes=args.max_part_bytes or None,
         invocation_timeout=args.invocation_timeout,
         region=args.region,
+        adapter_components=frozenset(args.adapter_component),
     )
     server = make_server(config, args.host, args.port)
     host, port = server.server_address[:2]

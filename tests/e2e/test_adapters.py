@@ -126,6 +126,41 @@ def test_eviction_under_max_loras_and_unload(fp32_server, folders) -> None:
     assert register(url, "bad", folders["base"]).status_code == 400  # a model folder, no adapter
 
 
+def test_boto3_picks_an_adapter_by_its_inference_component(fp32_server, folders) -> None:
+    """The local runtime (devtools) passes an adapter component's InferenceComponentName as the adapter header, as
+    SageMaker does, so a user's boto3 code that picks adapters runs here unchanged; a base component's name is
+    routing only."""
+    import threading
+
+    from devtools.local_runtime import RuntimeConfig, make_server
+    from tests.e2e.conftest import runtime_client
+
+    url = fp32_server.url
+    if requests.get(f"{url}/adapters", timeout=10).json()["adapters"] == []:
+        assert register(url, "a1", folders["a1"]).status_code == 200
+    runtime = make_server(RuntimeConfig(container_url=url, adapter_components=frozenset({"a1", "gone"})),
+                          "127.0.0.1", 0)
+    threading.Thread(target=runtime.serve_forever, daemon=True).start()
+    try:
+        client = runtime_client(f"http://127.0.0.1:{runtime.server_address[1]}")
+        body = json.dumps({"prompt": PROMPTS["a1"], "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True})
+
+        def invoke(component: str) -> str:
+            answer = client.invoke_endpoint(EndpointName="e", ContentType="application/json", Body=body,
+                                            InferenceComponentName=component)
+            return json.loads(answer["Body"].read())["choices"][0]["text"]
+
+        assert invoke("a1") == complete(url, PROMPTS["a1"], {IDENTIFIER: "a1"})["text"]
+        assert invoke("base-component") == complete(url, PROMPTS["a1"])["text"]
+        assert invoke("a1") != invoke("base-component")
+        with pytest.raises(client.exceptions.ModelError) as error:
+            invoke("gone")
+        assert error.value.response["OriginalStatusCode"] == 404 and "gone" in error.value.response["OriginalMessage"]
+    finally:
+        runtime.shutdown()
+        runtime.server_close()
+
+
 def test_int8_adapter_rows_do_not_depend_on_their_neighbours(tmp_path_factory, folders) -> None:
     server = start_server(tmp_path_factory.mktemp("int8"), {
         "OPTION_MODEL_ID": str(folders["base"]), "OPTION_QUANTIZE": "auto", "OPTION_ENABLE_LORA": "true",
