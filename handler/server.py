@@ -344,7 +344,9 @@ class Routes:
         except ServingError as error:
             raise responses_error(error, fields) from None
         ctx = self._context(ResponsesContext, generation.request_id, parsed.model, echo=parsed.echo(),
-                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only)
+                            tool_format=plan.tool_format, tool_calls_only=plan.calls_only,
+                            reasoning_parser=renderer.reasoning_parser,
+                            reasoning_opened=renderer.opens_reasoning(generation.prompt_ids))
         keep = (lambda result: self.service.responses.put(StoredResponse(result, tuple(history)))) \
             if parsed.store else (lambda result: None)
         if not parsed.stream:

@@ -62,6 +62,8 @@ class ResponsesContext(FormatContext):
     echo: dict = field(default_factory=dict)  # the request fields the response object repeats (protocol's echo())
     tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
     tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning into a reasoning item (prompt.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 
 @dataclass(slots=True)

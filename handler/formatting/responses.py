@@ -7,6 +7,11 @@ text. A stream opens with ``response.created`` and ``response.in_progress``, add
 whole as one ``function_call_arguments.delta``, closes each item (``.done`` events), and ends with
 ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens`` cut it, or ``response.failed``).
 Every event carries its ``sequence_number``, from 0.
+
+With a reasoning model (``ResponsesContext.reasoning_parser``, as on chat) the text is split first
+(``prompt.reasoning``): the reasoning becomes a ``reasoning`` item before the answer (one ``reasoning_text``
+part, streamed as ``reasoning_text.delta``), the answer the message, harmony's commentary calls function calls;
+``output_tokens_details.reasoning_tokens`` counts the tokens generated while the reasoning was open.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from collections.abc import Iterable, Iterator
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
+from handler.formatting.chat import split_choice
 from handler.formatting.context import ResponsesContext, failure, fold
-from handler.prompt import tool_calls
+from handler.prompt import reasoning, tool_calls
 
 
 def new_item_id(prefix: str) -> str:
@@ -33,12 +39,12 @@ def response_object(ctx: ResponsesContext, status: str, output: list[dict], usag
             "model": ctx.model, "output": output, "usage": usage, **ctx.echo}
 
 
-def response_usage(final: TokenEvent) -> dict:
-    """Usage with the detail objects the SDK requires (nothing here is cached or reasoned separately)."""
+def response_usage(final: TokenEvent, reasoning_tokens: int = 0) -> dict:
+    """Usage with the detail objects the SDK requires (nothing here is counted as cached)."""
     return {"input_tokens": final.num_prompt_tokens, "output_tokens": final.num_generated_tokens,
             "total_tokens": final.num_prompt_tokens + final.num_generated_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 def text_part(text: str) -> dict:
@@ -48,6 +54,15 @@ def text_part(text: str) -> dict:
 def message_item(item_id: str, text: str | None, status: str) -> dict:
     content = [] if text is None else [text_part(text)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [reasoning_part(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def call_item(item_id: str, call: tool_calls.ToolCall, arguments: str | None = None) -> dict:
@@ -60,16 +75,21 @@ def response(events: Iterable[TokenEvent], ctx: ResponsesContext) -> dict:
     """Fold one request's events into the ``response`` object (a failure raises, as for chat)."""
     choice = fold(events, 1)[0]
     incomplete = choice.finish.finish_reason is FinishReason.LENGTH
-    content, calls = choice.text, []
-    if ctx.tool_format is not None:
-        parsed = tool_calls.parse_tool_calls(choice.text, ctx.tool_format, calls_only=ctx.tool_calls_only)
-        content, calls = parsed.content, parsed.calls
-    output = []
-    if content or not calls:
-        output.append(message_item(new_item_id("msg"), content or "", "incomplete" if incomplete else "completed"))
-    output += [call_item(new_item_id("fc"), call) for call in calls]
     status = "incomplete" if incomplete else "completed"
-    return response_object(ctx, status, output, response_usage(choice.finish), incomplete)
+    output, content, calls, reasoning_tokens = [], choice.text, [], 0
+    if ctx.reasoning_parser:
+        split = split_choice(choice, ctx)
+        content, calls, reasoning_tokens = split.content, list(split.calls), split.num_reasoning_tokens
+        if split.reasoning:
+            cut = incomplete and split.in_reasoning
+            output.append(reasoning_item(new_item_id("rs"), split.reasoning, "incomplete" if cut else "completed"))
+    if ctx.tool_format is not None:
+        parsed = tool_calls.parse_tool_calls(content, ctx.tool_format, calls_only=ctx.tool_calls_only)
+        content, calls = parsed.content, calls + parsed.calls
+    if content or not (calls or output):
+        output.append(message_item(new_item_id("msg"), content or "", status))
+    output += [call_item(new_item_id("fc"), call) for call in calls]
+    return response_object(ctx, status, output, response_usage(choice.finish, reasoning_tokens), incomplete)
 
 
 class ResponseEvents:
@@ -83,6 +103,10 @@ class ResponseEvents:
         self._message: dict | None = None  # the open message item, while its text streams
         self._parser = tool_calls.ToolCallStream(ctx.tool_format, calls_only=ctx.tool_calls_only) \
             if ctx.tool_format else None
+        self._splitter = reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened) \
+            if ctx.reasoning_parser else None
+        self._reasoning: dict | None = None  # the open reasoning item, while its text streams
+        self._num_reasoning_tokens = 0
 
     def _event(self, kind: str, **fields) -> dict:
         record = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -97,14 +121,37 @@ class ResponseEvents:
             if error is not None:
                 yield self.error_event(error)
                 return
-            for delta in self._deltas(event.text, is_last=event.finish_reason is not None):
-                if isinstance(delta, tool_calls.CallDelta):
+            is_last = event.finish_reason is not None
+            for piece in self._pieces(event):
+                if piece.kind == reasoning.REASONING:
+                    yield from self._reason(piece.text)
+                elif piece.kind == reasoning.TOOL_CALL:
+                    yield from self._close_reasoning("completed")
                     yield from self._close_message("completed")
-                    yield from self._call(delta.call)
-                elif delta.text:
-                    yield from self._text(delta.text)
-            if event.finish_reason is not None:
+                    yield from self._call(tool_calls.ToolCall(piece.name or "", piece.text))
+                else:
+                    yield from self._content(piece.text, is_last=False)
+            if is_last:
+                yield from self._content("", is_last=True)
                 yield from self._finish(event)
+
+    def _pieces(self, event: TokenEvent) -> list[reasoning.Piece]:
+        """The event's text, split into reasoning and answer when the model reasons."""
+        if self._splitter is None:
+            return [reasoning.Piece(reasoning.CONTENT, event.text)]
+        self._num_reasoning_tokens += self._splitter.in_reasoning and event.token_id is not None
+        pieces = self._splitter.push(event.text)
+        return pieces + (self._splitter.finish() if event.finish_reason is not None else [])
+
+    def _content(self, text: str, *, is_last: bool) -> Iterator[dict]:
+        for delta in self._deltas(text, is_last=is_last):
+            if isinstance(delta, tool_calls.CallDelta):
+                yield from self._close_reasoning("completed")
+                yield from self._close_message("completed")
+                yield from self._call(delta.call)
+            elif delta.text:
+                yield from self._close_reasoning("completed")
+                yield from self._text(delta.text)
 
     def _deltas(self, text: str, *, is_last: bool) -> list[tool_calls.Delta]:
         if self._parser is None:
@@ -113,11 +160,13 @@ class ResponseEvents:
 
     def _finish(self, final: TokenEvent) -> Iterator[dict]:
         incomplete = final.finish_reason is FinishReason.LENGTH
+        status = "incomplete" if incomplete else "completed"
+        yield from self._close_reasoning(status)  # still open: cut inside the reasoning
         if not self._output and self._message is None:  # nothing was said: one empty message, as folded
             yield from self._open_message()
-        yield from self._close_message("incomplete" if incomplete else "completed")
-        status = "incomplete" if incomplete else "completed"
-        done = response_object(self.ctx, status, self._output, response_usage(final), incomplete)
+        yield from self._close_message(status)
+        usage = response_usage(final, self._num_reasoning_tokens)
+        done = response_object(self.ctx, status, self._output, usage, incomplete)
         yield self._event(f"response.{status}", response=done)
 
     def _open_message(self) -> Iterator[dict]:
@@ -147,6 +196,34 @@ class ResponseEvents:
         yield self._event("response.output_item.done", output_index=index, item=item)
         self._output.append(item)
         self._message = None
+
+    def _reason(self, text: str) -> Iterator[dict]:
+        if not text:
+            return
+        yield from self._close_message("completed")  # harmony may reason again after a message
+        index = len(self._output)
+        if self._reasoning is None:
+            item = reasoning_item(new_item_id("rs"), None, "in_progress")
+            yield self._event("response.output_item.added", output_index=index, item=item)
+            yield self._event("response.content_part.added", output_index=index, item_id=item["id"],
+                              content_index=0, part=reasoning_part(""))
+            self._reasoning = reasoning_item(item["id"], "", "in_progress")
+        self._reasoning["content"][0]["text"] += text
+        yield self._event("response.reasoning_text.delta", output_index=index, item_id=self._reasoning["id"],
+                          content_index=0, delta=text)
+
+    def _close_reasoning(self, status: str) -> Iterator[dict]:
+        if self._reasoning is None:
+            return
+        item_id, index, text = self._reasoning["id"], len(self._output), self._reasoning["content"][0]["text"]
+        yield self._event("response.reasoning_text.done", output_index=index, item_id=item_id, content_index=0,
+                          text=text)
+        yield self._event("response.content_part.done", output_index=index, item_id=item_id, content_index=0,
+                          part=reasoning_part(text))
+        item = reasoning_item(item_id, text, status)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+        self._output.append(item)
+        self._reasoning = None
 
     def _call(self, call: tool_calls.ToolCall) -> Iterator[dict]:
         item_id, index = new_item_id("fc"), len(self._output)

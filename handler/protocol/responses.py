@@ -4,7 +4,9 @@ same ``GenerationRequest`` and comes back as the same token events.
 
 Fields copy OpenAI's names (the openai SDK's ``types/responses`` are the reference). What this server cannot honour
 is not declared (a 400 naming it, or the ``extra-parameters`` policy) or refused naming the field: hosted tools,
-``file_id`` images, reasoning effort, background mode. The conversation a request continues
+``file_id`` images, reasoning efforts other than low / medium / high, reasoning summaries, background mode.
+``reasoning.effort`` becomes the chat request's ``reasoning_effort``; reasoning items sent back are accepted and
+not rendered again. The conversation a request continues
 (``previous_response_id``) is given to ``conversation`` as the items the server stored; the fields of the chat
 request errors name are translated back (``responses_param``).
 """
@@ -23,6 +25,7 @@ from handler.protocol.common import parse_model
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 _ITEM_STATUS = Literal["in_progress", "completed", "incomplete"]
+EFFORTS = ("low", "medium", "high")  # reasoning.effort levels served: the chat request's reasoning_effort
 
 
 class InputText(BaseModel):
@@ -89,6 +92,19 @@ class FunctionCallOutputItem(BaseModel):
     status: _ITEM_STATUS | None = None
 
 
+class ReasoningItem(BaseModel):
+    """A reasoning item a client sends back (the openai SDK and the Agents SDK do, continuing a conversation by
+    hand): accepted, and not rendered again: thinking models' templates drop earlier turns' reasoning."""
+
+    model_config = _STRICT
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: _ITEM_STATUS | None = None
+
+
 def _item_type(value: object) -> str:
     """An item without ``type`` is a message (OpenAI's easy input message)."""
     found = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
@@ -97,7 +113,7 @@ def _item_type(value: object) -> str:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -168,9 +184,10 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         """What the field types cannot say, and the parts this server cannot honour (400 naming each)."""
-        if self.reasoning is not None and self.reasoning.effort not in (None, "none"):
-            raise BadRequest("reasoning effort is not supported by this server (its models do not reason in a "
-                             "separate channel)", param="reasoning.effort")
+        if self.reasoning is not None and self.reasoning.effort not in (None, "none", *EFFORTS):
+            raise BadRequest(f"reasoning effort {self.reasoning.effort!r} is not served; use one of "
+                             f"{', '.join(EFFORTS)} (gpt-oss's levels, given to the chat template)",
+                             param="reasoning.effort")
         if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
             raise BadRequest("reasoning summaries are not supported by this server", param="reasoning.summary")
         refusals = [(bool(self.include), "include", "include adds output this server does not produce"),
@@ -210,7 +227,7 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
                 "parallel_tool_calls": self.parallel_tool_calls, "response_format": self._response_format(),
                 "tools": [_chat_tool(tool) for tool in self.tools] if self.tools else None,
-                "tool_choice": self._tool_choice()}
+                "tool_choice": self._tool_choice(), "reasoning_effort": self._effort()}
         body = {key: value for key, value in body.items() if value is not None}
         try:
             return parse_model(ChatCompletionRequest, body), fields
@@ -226,6 +243,11 @@ class ResponsesRequest(BaseModel):
         schema = {"name": fmt.name, "schema": fmt.schema_ or {}, "description": fmt.description, "strict": fmt.strict}
         return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
+    def _effort(self) -> str | None:
+        """``reasoning.effort`` as the chat request's ``reasoning_effort`` (the template's variable)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return effort if effort in EFFORTS else None
+
     def _tool_choice(self) -> str | dict | None:
         if isinstance(self.tool_choice, ToolChoiceFunction):
             return {"type": "function", "function": {"name": self.tool_choice.name}}
@@ -237,7 +259,7 @@ class ResponsesRequest(BaseModel):
         return {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
-            "previous_response_id": self.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": self.previous_response_id, "reasoning": {"effort": self._effort(), "summary": None},
             "store": self.store, "temperature": self.temperature, "top_p": self.top_p,
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True)},
             "tool_choice": self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel)
@@ -260,6 +282,8 @@ def _chat_tool(tool: FunctionTool) -> dict:
 def _add_item(messages: list[dict], fields: list[str], item: dict, field: str) -> None:
     """One stored or given item as chat messages: consecutive function calls join the assistant turn before them."""
     kind = item.get("type", "message")
+    if kind == "reasoning":  # a past turn's reasoning: not rendered again (ReasoningItem)
+        return
     if kind == "function_call":
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}

@@ -143,7 +143,7 @@ def test_get_and_delete_and_the_404s(sdk: openai.OpenAI, base: str) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "Hi", "reasoning": {"effort": "minimal"}}, "reasoning.effort"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "Hi", "seed": 3}, "seed"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},

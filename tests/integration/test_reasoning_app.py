@@ -15,6 +15,7 @@ from handler import server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent
 from handler.prompt.renderer import PromptRenderer
+from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 from tests.integration.test_server_app import MODEL_NAME, FakeEngine, FakeService
@@ -51,7 +52,7 @@ def transcript_script(renderer: PromptRenderer, text: str, finish: FinishReason 
 
 def app_client(renderer: PromptRenderer, script):
     service = FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256),
-                          renderer=renderer, engine=FakeEngine(script), user_handler=None)
+                          renderer=renderer, engine=FakeEngine(script), user_handler=None, responses=ResponseStore(8))
     return server.create_app(service)
 
 
@@ -119,3 +120,19 @@ def test_the_openai_sdk_reads_reasoning_from_model_extra(renderer: PromptRendere
     chunks = [c.choices[0].delta for c in stream if c.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in chunks) == message.model_extra["reasoning"]
     assert "".join(d.content or "" for d in chunks) == "Paris."
+
+
+def test_the_responses_api_returns_the_reasoning_as_a_reasoning_item(renderer: PromptRenderer) -> None:
+    """The openai SDK's responses.create and its stream: the reasoning item first, the answer as output_text."""
+    app = app_client(renderer, transcript_script(renderer, TRANSCRIPT))
+    http = httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://app")
+    client = openai.OpenAI(base_url="http://app/v1", api_key="unused", http_client=http, max_retries=0)
+    response = client.responses.create(model="m", input="Capital of France?", reasoning={"effort": "low"})
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "\nThe user asks about France.\n"
+    assert response.output_text == "Paris." and response.reasoning.effort == "low"
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(model="m", input="Capital of France?", stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == response.output[0].content[0].text
+    assert events[-1].response.output_text == "Paris."

@@ -45,7 +45,7 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("LegacyGrammar",): constraints.LegacyGrammar,
     **{(model.__name__,): model for model in (
         responses.InputText, responses.InputImage, responses.OutputText, responses.Refusal, responses.MessageItem,
-        responses.FunctionCallItem, responses.FunctionCallOutputItem, responses.FunctionTool,
+        responses.FunctionCallItem, responses.FunctionCallOutputItem, responses.ReasoningItem, responses.FunctionTool,
         responses.ToolChoiceFunction, responses.TextFormat, responses.TextConfig, responses.Reasoning,
         responses.ResponsesRequest)},
 }

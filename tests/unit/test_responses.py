@@ -96,11 +96,12 @@ def test_text_format_and_tool_choice_become_the_chat_fields() -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "x", "reasoning": {"effort": "minimal"}}, "reasoning.effort"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "reasoning_summary"}]}, "input[0]"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
@@ -282,3 +283,52 @@ def test_tgi_details_have_prefill_and_seed_and_no_inputs() -> None:
     details = record["details"]
     assert details["seed"] == 7 and details["prefill"] == [] and "inputs" not in details
     assert details["tokens"][0] == {"id": 5, "text": "Hel", "logprob": -0.1, "special": False}
+
+
+# ---- reasoning models -------------------------------------------------------------------------------------------
+
+def think_events(finish: FinishReason = FinishReason.EOS) -> list:
+    """A <think> transcript; cut by max_output_tokens inside the reasoning when ``finish`` is LENGTH."""
+    if finish is FinishReason.LENGTH:
+        return [ev(0, 10, "<think>"), ev(0, 11, "Let me"), ev(0, 12, " see", finish=finish, prompt=3, generated=3)]
+    return [ev(0, 10, "<think>"), ev(0, 11, "Let me see."), ev(0, 12, "</think>"), ev(0, 13, "\n\nParis."),
+            ev(0, 2, "", finish=finish, prompt=3, generated=5, special=True)]
+
+
+def test_a_reasoning_model_answers_with_a_reasoning_item_then_the_message() -> None:
+    record = fmt.response(think_events(), rctx(reasoning_parser="qwen3"))
+    parsed = Response.model_validate(record)
+    assert [item.type for item in parsed.output] == ["reasoning", "message"]
+    assert parsed.output[0].content[0].text == "Let me see." and parsed.output_text == "Paris."
+    assert record["usage"]["output_tokens_details"]["reasoning_tokens"] == 2  # "Let me see." and "</think>"
+    records = stream(think_events(), reasoning_parser="qwen3")
+    kinds = [r["type"] for r in records]
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    assert "".join(r["delta"] for r in records if r["type"] == "response.reasoning_text.delta") == "Let me see."
+    assert "".join(r["delta"] for r in records if r["type"] == "response.output_text.delta") == "Paris."
+    done = records[-1]["response"]
+    assert [i["type"] for i in done["output"]] == ["reasoning", "message"]
+    assert [i["content"] for i in done["output"]] == [i["content"] for i in record["output"]]
+    assert done["usage"] == record["usage"]
+
+
+def test_a_response_cut_inside_its_reasoning_has_only_the_partial_reasoning() -> None:
+    record = fmt.response(think_events(FinishReason.LENGTH), rctx(reasoning_parser="qwen3"))
+    Response.model_validate(record)
+    assert record["status"] == "incomplete" and [i["type"] for i in record["output"]] == ["reasoning"]
+    assert record["output"][0]["content"][0]["text"] == "Let me see" and record["output"][0]["status"] == "incomplete"
+    done = stream(think_events(FinishReason.LENGTH), reasoning_parser="qwen3")[-1]
+    assert done["type"] == "response.incomplete" and done["response"]["output"][0]["status"] == "incomplete"
+    assert [i["type"] for i in done["response"]["output"]] == ["reasoning"]
+
+
+def test_effort_reaches_the_chat_request_and_reasoning_items_sent_back_are_not_rendered() -> None:
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+             {"type": "message", "role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "Bye"}]
+    chat, fields = chat_of({"input": items, "reasoning": {"effort": "high"}})
+    assert chat["reasoning_effort"] == "high" and fields == ["input[0]", "input[2]", "input[3]"]
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "user"]
+    assert parse({"input": "x", "reasoning": {"effort": "low"}}).echo()["reasoning"]["effort"] == "low"
