@@ -19,6 +19,7 @@ schemas return the raw text; only chat splits.
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 REASONING = "reasoning"
@@ -72,16 +73,19 @@ def splitter(parser: str, opened: bool) -> ReasoningSplitter:
     return HarmonySplitter() if parser == "gpt_oss" else ThinkSplitter(opened)
 
 
-class ReasoningSplitter:
-    """Incremental split of one choice's text (``push`` per delta, ``finish`` at its end)."""
+class ReasoningSplitter(ABC):
+    """Incremental split of one choice's text (``push`` per delta, ``finish`` at its end): the interface the
+    ``<think>`` and harmony splitters implement."""
 
     in_reasoning: bool = False
 
+    @abstractmethod
     def push(self, text: str) -> list[Piece]:
-        raise NotImplementedError
+        """The pieces ``text`` completes (a possible marker's start is held until the next delta)."""
 
+    @abstractmethod
     def finish(self) -> list[Piece]:
-        raise NotImplementedError
+        """What is still held, at the choice's end."""
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
