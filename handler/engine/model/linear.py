@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from handler.config import INT8_SITES
+from handler.engine.model.kernels import MAX_ROWS, int8_kernel
 
 
 class DenseLinear:
@@ -49,6 +50,12 @@ class Int8DynamicLinear:
         self.split = split
         self.levels = 128 if split else levels or activation_levels()
         self.packed, self.row_sums = _pack(weight)
+        # the split path's few-row kernel (``kernels``) reads the int8 weights as they are, with their scales
+        self.kernel = int8_kernel() if split and weight.device.type == "cpu" else None
+        if self.kernel is not None:
+            int8, scales = _quantise_weight(weight)
+            self.int8, self.scales = int8, scales.double().float()
+            self.col_sums = int8.sum(dim=1, dtype=torch.int32)
         self.bias = None if bias is None else bias.float()
         self.sentinel = torch.zeros(weight.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
@@ -57,6 +64,9 @@ class Int8DynamicLinear:
         self.exact = _exact_weights(weight) if self.levels == 256 and not full_range_is_exact() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= MAX_ROWS:
+            return self.kernel.split_linear(x.contiguous(), self.int8, self.col_sums, self.scales, self.row_sums,
+                                            self.bias)
         if self.split:
             y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
         elif self.exact is not None:

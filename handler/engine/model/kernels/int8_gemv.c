@@ -1,0 +1,185 @@
+/* The lean engine's int8 Linear for a few rows (a decode step's batch), with 14-bit activations split into two 7-bit
+ * halves: the same numbers as linear.py's ``_split_int8_linear`` (fbgemm's GEMM between torch's elementwise ops), in
+ * one call instead of a dozen torch ops and a GEMM sized for big batches.
+ *
+ * Why the bits are the same: every step is either an exact integer operation or one IEEE float operation in the
+ * order torch performs it (sub, div, round half to even, floor, one multiply, one add, and addcmul's fused
+ * multiply-add, which torch's CPU kernel contracts: checked bit for bit in tests/unit/test_int8_kernel.py). The
+ * integer product W·h is exact on both sides, so it does not matter that fbgemm blocks its sums differently.
+ *
+ * Built by kernels.py with -O3 -mavx2 -mfma -ffp-contract=off (no contraction but the explicit fmaf); loaded with
+ * ctypes. Threads: a persistent pool splits the output channels (each channel's sum is computed whole by one
+ * thread, so the result does not depend on the thread count).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ROWS 8
+#define MAX_THREADS 64
+
+typedef struct {
+    const int8_t *weight;     /* [n, k] */
+    const int32_t *col_sums;  /* [n]: sum of each output channel's int8 weights */
+    const float *scales;      /* [n]: per-channel weight scale (fp32, as fbgemm applies it) */
+    const float *row_sums;    /* [n]: dequantised row sums (linear.py's row_sums) */
+    const float *bias;        /* [n] or NULL */
+    const uint8_t *codes;     /* [rows][2][k]: h + 64 then l + 64 per row, in 0..127 */
+    const float *step, *centre;
+    float *y;                 /* [rows, n] */
+    int rows, n, k;
+} job_t;
+
+/* 32 int8 * u8 products of one weight block against one code block, summed into 8 int32 lanes */
+static inline __m256i dot32(__m256i w, __m256i codes, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, w), ones);
+}
+
+static inline int32_t hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One output channel against every row: the raw sums of (h + 64) and (l + 64) with its weights. Pairs of u8*s8
+ * products fit int16 (127 * 128 * 2 < 32768), so maddubs does not saturate. */
+static void channel(const job_t *job, int c, int32_t *raw) {
+    const int k = job->k, body = k & ~31;
+    const int8_t *w = job->weight + (size_t)c * k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[2 * MAX_ROWS];
+    for (int i = 0; i < 2 * job->rows; i++) acc[i] = _mm256_setzero_si256();
+    for (int j = 0; j < body; j += 32) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + j));
+        for (int i = 0; i < 2 * job->rows; i++) {
+            __m256i cv = _mm256_loadu_si256((const __m256i *)(job->codes + (size_t)i * k + j));
+            acc[i] = _mm256_add_epi32(acc[i], dot32(wv, cv, ones));
+        }
+    }
+    for (int i = 0; i < 2 * job->rows; i++) {
+        int32_t sum = hsum(acc[i]);
+        const uint8_t *codes = job->codes + (size_t)i * k;
+        for (int j = body; j < k; j++) sum += (int32_t)w[j] * codes[j];
+        raw[i] = sum;
+    }
+}
+
+static void run_channels(const job_t *job, int first, int last) {
+    int32_t raw[2 * MAX_ROWS];
+    for (int c = first; c < last; c++) {
+        channel(job, c, raw);
+        const float scale = job->scales[c], row_sum = job->row_sums[c];
+        const int32_t offset = 64 * job->col_sums[c];  /* the codes carry +64 */
+        for (int r = 0; r < job->rows; r++) {
+            /* fbgemm's epilogue: float(exact integer) * scale; then torch's, op by op */
+            float high = (float)(raw[2 * r] - offset) * scale;
+            float low = (float)(raw[2 * r + 1] - offset) * scale;
+            float y = (high * 128.0f + low) * job->step[r];
+            y = fmaf(job->centre[r], row_sum, y);
+            if (job->bias) y = y + job->bias[c];
+            job->y[(size_t)r * job->n + c] = y;
+        }
+    }
+}
+
+/* ---- a small persistent thread pool: workers spin briefly on a generation counter, then sleep on a condvar ---- */
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static atomic_int generation, pending;
+static int num_workers;
+static const job_t *current;
+static int spans[MAX_THREADS + 1];
+
+static void *worker(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    int seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
+            if (++spins < 20000) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool_lock);
+            while (atomic_load_explicit(&generation, memory_order_acquire) == seen)
+                pthread_cond_wait(&pool_wake, &pool_lock);
+            pthread_mutex_unlock(&pool_lock);
+        }
+        seen = atomic_load_explicit(&generation, memory_order_acquire);
+        run_channels(current, spans[index + 1], spans[index + 2]);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+/* threads: how many share each call (the caller's thread and threads - 1 workers); returns the number in use */
+int int8_gemv_threads(int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    while (num_workers < threads - 1) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, worker, (void *)(intptr_t)num_workers) != 0) break;
+        pthread_detach(thread);
+        num_workers++;
+    }
+    return num_workers + 1;
+}
+
+/* Per row: the 14-bit grid (step, centre) and the two 7-bit halves of each activation, as linear.py computes them */
+static void quantise_rows(const float *x, int rows, int k, uint8_t *codes, float *step, float *centre) {
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (size_t)r * k;
+        float lo = row[0], hi = row[0];
+        for (int j = 1; j < k; j++) {
+            lo = row[j] < lo ? row[j] : lo;
+            hi = row[j] > hi ? row[j] : hi;
+        }
+        float s = (hi - lo) * (float)(1.0 / 16383.0);
+        s = s < 1e-9f ? 1e-9f : s;
+        const float c = lo + s * 8256.0f;
+        uint8_t *high = codes + (size_t)(2 * r) * k, *low = high + k;
+        for (int j = 0; j < k; j++) {
+            float shifted = nearbyintf((row[j] - c) / s) + 64.0f;  /* k + 64 */
+            float h = floorf(shifted / 128.0f);
+            float l = shifted - h * 128.0f - 64.0f;
+            /* the 7-bit kernel's codes: q = value + 64, clamped to 0..127 as fbgemm clamps */
+            float qh = h + 64.0f, ql = l + 64.0f;
+            high[j] = (uint8_t)(qh < 0.0f ? 0.0f : qh > 127.0f ? 127.0f : qh);
+            low[j] = (uint8_t)(ql < 0.0f ? 0.0f : ql > 127.0f ? 127.0f : ql);
+        }
+        step[r] = s;
+        centre[r] = c;
+    }
+}
+
+/* y[rows, n] = the split int8 linear of x[rows, k]; codes: scratch of rows * 2 * k bytes. Returns 0, or -1 when
+ * rows is out of range. */
+int int8_split_linear(const float *x, int rows, int k, const int8_t *weight, const int32_t *col_sums,
+                      const float *scales, const float *row_sums, const float *bias, int n, uint8_t *codes,
+                      float *y) {
+    if (rows < 1 || rows > MAX_ROWS) return -1;
+    float step[MAX_ROWS], centre[MAX_ROWS];
+    quantise_rows(x, rows, k, codes, step, centre);
+    job_t job = {weight, col_sums, scales, row_sums, bias, codes, step, centre, y, rows, n, k};
+    const int threads = num_workers + 1;
+    /* channels in blocks of 8 per thread, so each thread's slice of the weights is contiguous */
+    const int blocks = (n + 7) / 8;
+    for (int t = 0; t <= threads; t++) spans[t] = (int)((long)blocks * t / threads) * 8;
+    spans[threads] = n;
+    for (int t = 0; t <= threads; t++) spans[t] = spans[t] > n ? n : spans[t];
+    if (threads > 1) {
+        current = &job;
+        atomic_store_explicit(&pending, threads - 1, memory_order_release);
+        pthread_mutex_lock(&pool_lock);
+        atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
+        pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    run_channels(&job, spans[0], spans[1]);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    return 0;
+}

@@ -1,0 +1,71 @@
+"""The decode step's C kernel (``handler.engine.model.kernels``) gives the torch path's bits: the split int8 Linear
+of linear.py (torch's elementwise ops around fbgemm's GEMM), for every row count it takes, odd shapes, a bias, rows
+with outliers, and integer sums past 2^24; and a row's result does not depend on the rows beside it or on the
+number of threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.engine.model import kernels
+from handler.engine.model.linear import Int8DynamicLinear, _cpu_flags, _split_int8_linear
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="the kernel needs AVX2 and FMA")
+
+# (out, in): the embedded model's four projections and its head's width, odd sizes (tails of the 32-wide loop and
+# of the 8-channel thread blocks), and an input wide enough for integer sums past 2^24
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (37, 45), (9, 31), (130, 8192)]
+
+
+def rows_with_outliers(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=generator)
+    x[:, torch.randint(0, k, (3,), generator=generator)] *= 40.0  # a few large channels, as activations have
+    return x
+
+
+def torch_path(layer: Int8DynamicLinear, x: torch.Tensor) -> torch.Tensor:
+    y = _split_int8_linear(x, layer.packed, layer.row_sums, layer.sentinel)
+    return y if layer.bias is None else y.add_(layer.bias)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> kernels.Int8Kernel:
+    found = kernels.int8_kernel()
+    assert found is not None, "the kernel did not build on a CPU with AVX2 and FMA"
+    return found
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_kernel_gives_the_torch_paths_bits(kernel, out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    for bias in (None, torch.randn(out_features, generator=generator)):
+        layer = Int8DynamicLinear(weight, bias, split=True)
+        assert layer.kernel is kernel
+        for rows in range(1, kernels.MAX_ROWS + 1):
+            x = rows_with_outliers(rows, in_features, generator)
+            mine = kernel.split_linear(x, layer.int8, layer.col_sums, layer.scales, layer.row_sums, layer.bias)
+            theirs = torch_path(layer, x)
+            assert torch.equal(mine, theirs), (rows, (mine - theirs).abs().max())
+
+
+def test_a_row_alone_and_beside_others(kernel) -> None:
+    generator = torch.Generator().manual_seed(3)
+    layer = Int8DynamicLinear(torch.randn(3072, 576, generator=generator) * 0.05, None, split=True)
+    batch = rows_with_outliers(kernels.MAX_ROWS, 576, generator)
+    together = layer(batch)
+    for row in range(kernels.MAX_ROWS):
+        assert torch.equal(layer(batch[row:row + 1]), together[row:row + 1])
+    # and beyond the kernel's rows, through fbgemm: the same numbers
+    wide = torch.cat([batch, rows_with_outliers(9, 576, generator)])
+    assert torch.equal(layer(wide)[:kernels.MAX_ROWS], together)
+
+
+def test_constant_and_tiny_rows(kernel) -> None:
+    """A constant row (zero range: the step's floor) and a row of tiny values go through the same grid."""
+    generator = torch.Generator().manual_seed(5)
+    layer = Int8DynamicLinear(torch.randn(64, 96, generator=generator), torch.randn(64, generator=generator),
+                              split=True)
+    x = torch.stack([torch.full((96,), 0.25), torch.randn(96, generator=generator) * 1e-8, torch.zeros(96)])
+    assert torch.equal(layer(x), torch_path(layer, x))
