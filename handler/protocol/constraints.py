@@ -7,7 +7,8 @@ spec's ``param``: a grammar that does not compile is a 400 naming it.
 - vLLM's ``structured_outputs: {json | regex | choice | grammar | json_object}`` and its older top-level names
   ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (chat and completions);
 - llama.cpp's ``grammar`` (GBNF; Lark is read too) and ``json_schema`` (chat and completions);
-- TGI's ``parameters.grammar: {"type": "json" | "regex", "value": ...}`` (the legacy schema, ``LegacyGrammar``).
+- TGI's ``parameters.grammar: {"type": "json" | "json_object" | "regex" | "json_schema", "value": ...}`` (the
+  legacy schema, ``LegacyGrammar``).
 
 ``grammar`` is Lark when it has a ``start:`` rule or a ``%llguidance`` line, else GBNF (``root ::= ...``),
 llguidance's own rule. One request takes one constraint: two (``response_format`` and ``guided_regex``, say) are a
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
+from handler.protocol.common import parse_model
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 Schema = dict[str, Any] | str  # a JSON schema, or its JSON text (vLLM takes both)
@@ -70,19 +72,41 @@ class ConstraintFields(BaseModel):
         return specs
 
 
-class LegacyGrammar(BaseModel):
-    """TGI's ``parameters.grammar``: a JSON schema (``json``; an object or its JSON text) or a regex."""
+class TgiJsonSchema(BaseModel):
+    """The value of TGI's ``json_schema`` grammar type (its router's ``JsonSchemaConfig``): the schema, with an
+    optional name and strict flag that do not change what is enforced (the schema is always followed exactly)."""
 
     model_config = _STRICT
-    type: Literal["json", "regex"]
+    name: str | None = None
+    strict: bool | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class LegacyGrammar(BaseModel):
+    """TGI's ``parameters.grammar`` (its router's ``GrammarType``, ``{"type", "value"}``): ``json`` (alias
+    ``json_object``) takes a JSON schema (an object or its JSON text), ``regex`` a regular expression, and
+    ``json_schema`` (TGI 3.x) ``{"name"?, "strict"?, "schema"}``."""
+
+    model_config = _STRICT
+    type: Literal["json", "json_object", "regex", "json_schema"]
     value: Schema
 
     def spec(self, prefix: str = "parameters.grammar") -> GrammarSpec:
-        if self.type == "json":
-            return schema_spec(self.value, f"{prefix}.value")
+        param = f"{prefix}.value"
+        if self.type in ("json", "json_object"):
+            return schema_spec(self.value, param)
+        if self.type == "json_schema":
+            config = _tgi_json_schema(self.value, param)
+            return schema_spec(config.schema_, f"{param}.schema")
         if not isinstance(self.value, str):
-            raise BadRequest("a regex grammar's value is a string", param=f"{prefix}.value")
-        return GrammarSpec("regex", self.value, f"{prefix}.value")
+            raise BadRequest("a regex grammar's value is a string", param=param)
+        return GrammarSpec("regex", self.value, param)
+
+
+def _tgi_json_schema(value: Schema, param: str) -> TgiJsonSchema:
+    if not isinstance(value, dict):
+        raise BadRequest('a json_schema grammar\'s value is an object {"name", "strict", "schema"}', param=param)
+    return parse_model(TgiJsonSchema, value, prefix=f"{param}.")
 
 
 def structured_specs(outputs: StructuredOutputs | None) -> list[GrammarSpec]:

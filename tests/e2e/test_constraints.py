@@ -77,6 +77,29 @@ def test_tgi_grammar_in_legacy_parameters(url: str) -> None:
     assert isinstance(json.loads(answer["generated_text"])["ok"], bool)
 
 
+def test_tgi_json_schema_grammar_in_legacy_parameters(url: str) -> None:
+    """TGI 3.x's ``{"type": "json_schema", "value": {"name", "strict", "schema"}}`` (router ``GrammarType``): free,
+    this prompt continues in prose; under the grammar the text is the schema's object, on /invocations and TGI's
+    /generate, and through huggingface_hub's InferenceClient, whose ``grammar`` argument sends that shape."""
+    from huggingface_hub import InferenceClient
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    grammar = {"type": "json_schema", "value": {"name": "answer", "strict": True, "schema": schema}}
+    free = post(url, {"inputs": "Is Paris in France?", "parameters": {"max_new_tokens": 12}}).json()
+    with pytest.raises(ValueError):
+        json.loads(free["generated_text"])
+    for path in ("/invocations", "/generate"):
+        answer = post(url, {"inputs": "Is Paris in France?", "parameters": {"max_new_tokens": 12, "grammar": grammar}},
+                      path=path).json()
+        assert set(json.loads(answer["generated_text"])) == {"ok"}
+    text = InferenceClient(base_url=f"{url}/generate").text_generation("Is Paris in France?", max_new_tokens=12,
+                                                                       grammar=grammar)
+    assert isinstance(json.loads(text)["ok"], bool)
+    bad = post(url, {"inputs": "hi", "parameters": {"grammar": {"type": "json_schema", "value": {"name": "n"}}}})
+    assert bad.status_code == 400 and "parameters.grammar.value.schema" in bad.text
+
+
 def test_constrained_and_free_requests_batch_together(client: openai.OpenAI) -> None:
     """Concurrent requests share the engine's batch: each keeps its own constraint, the free one its prose."""
     alone = ask(client)

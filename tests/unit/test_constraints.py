@@ -108,6 +108,13 @@ def test_a_constraint_is_the_chat_plan_grammar() -> None:
     ({"type": "json", "value": '{"type": "integer"}'}, GrammarSpec("json_schema", '{"type": "integer"}',
                                                                    "parameters.grammar.value")),
     ({"type": "regex", "value": "[ab]+"}, GrammarSpec("regex", "[ab]+", "parameters.grammar.value")),
+    # TGI 3.x's json_schema type (router GrammarType::JsonSchema, value {name?, strict?, schema}) and json's alias
+    ({"type": "json_schema", "value": {"name": "n", "strict": True, "schema": {"type": "integer"}}},
+     GrammarSpec("json_schema", '{"type": "integer"}', "parameters.grammar.value.schema")),
+    ({"type": "json_schema", "value": {"schema": {"type": "integer"}}},
+     GrammarSpec("json_schema", '{"type": "integer"}', "parameters.grammar.value.schema")),
+    ({"type": "json_object", "value": {"type": "integer"}}, GrammarSpec("json_schema", '{"type": "integer"}',
+                                                                        "parameters.grammar.value")),
 ])
 def test_tgi_grammar_becomes_its_spec(grammar: dict, spec: GrammarSpec) -> None:
     request = parse_model(LegacyRequest, {"inputs": "hi", "parameters": {"grammar": grammar}})
@@ -118,6 +125,10 @@ def test_tgi_grammar_becomes_its_spec(grammar: dict, spec: GrammarSpec) -> None:
     ({"type": "regex", "value": {"a": 1}}, "parameters.grammar.value"),
     ({"type": "json", "value": "nope"}, "parameters.grammar.value"),
     ({"type": "xml", "value": "a"}, "parameters.grammar.type"),
+    ({"type": "json_schema", "value": {"type": "integer"}}, "parameters.grammar.value.schema"),  # unwrapped
+    ({"type": "json_schema", "value": {"name": "n"}}, "parameters.grammar.value.schema"),
+    ({"type": "json_schema", "value": {"schema": "{}"}}, "parameters.grammar.value.schema"),
+    ({"type": "json_schema", "value": '{"schema": {}}'}, "parameters.grammar.value"),
 ])
 def test_bad_tgi_grammar_is_400_naming_the_field(grammar: dict, param: str) -> None:
     with pytest.raises(BadRequest) as caught:

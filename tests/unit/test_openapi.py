@@ -43,6 +43,7 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("EmbeddingRequestBody",): embeddings.EmbeddingRequestBody,
     ("StructuredOutputs",): constraints.StructuredOutputs,
     ("LegacyGrammar",): constraints.LegacyGrammar,
+    ("TgiJsonSchema",): constraints.TgiJsonSchema,
     **{(model.__name__,): model for model in (
         responses.InputText, responses.InputImage, responses.OutputText, responses.Refusal, responses.MessageItem,
         responses.FunctionCallItem, responses.FunctionCallOutputItem, responses.ReasoningItem, responses.FunctionTool,
