@@ -111,12 +111,15 @@ class TextOptions:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningGate:
-    """A thinking model's reasoning comes before a constrained answer: free text from ``start`` (already in the
-    prompt when ``opened``; else optional) up to ``end``, then the grammar."""
+    """A thinking model's reasoning comes before a constrained answer. ``think``: free text from ``start`` (already
+    in the prompt when ``opened``; else optional) up to ``end``, then the grammar. ``harmony`` (gpt-oss): any number
+    of whole ``analysis`` / ``commentary`` messages, then the grammar as the ``final`` channel's message (``start``
+    and ``end`` unused: the channels are special tokens)."""
 
     start: str
     end: str
     opened: bool
+    style: str = "think"  # think | harmony
 
 
 @dataclass(frozen=True, slots=True)

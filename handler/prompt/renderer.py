@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from handler.engine.types import ReasoningGate
@@ -71,10 +72,15 @@ class PromptRenderer:
         return reasoning.prompt_opens_reasoning(self.reasoning_parser, tail)
 
     def reasoning_gate(self, prompt_ids: tuple[int, ...]) -> ReasoningGate | None:
-        """Where a constrained answer starts for this prompt: after ``</think>`` (None: no reasoning, or harmony's,
-        whose channels the grammar does not model; there the grammar applies from the first token)."""
-        if self.reasoning_parser in (None, "gpt_oss"):
+        """Where a constrained answer starts for this prompt: after ``</think>``, or for gpt-oss as the harmony
+        ``final`` channel's message (None: no reasoning; or a harmony model whose tokenizer lacks harmony's special
+        tokens, which the gate names: there the grammar applies from the first token)."""
+        if self.reasoning_parser is None:
             return None
+        if self.reasoning_parser == "gpt_oss":
+            if len(self.reasoning_keep_ids) < len(reasoning.HARMONY_TOKENS):
+                return None
+            return ReasoningGate("", "", True, style="harmony")
         return ReasoningGate(reasoning.THINK_START, reasoning.THINK_END, self.opens_reasoning(prompt_ids))
 
     def _special_token_id(self, text: str) -> int | None:
@@ -136,15 +142,18 @@ class PromptRenderer:
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None, *,
                   add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
-        """The chat template's text. Tools go to the template when it renders them (``tools=``); otherwise
-        they are described in the system prompt, and earlier calls are written into the assistant messages, in
-        the format the output is parsed in."""
+        """The chat template's text. A template that renders tools gets them (``tools=``) and the earlier calls
+        and tool results as they are, in its own format (gpt-oss's harmony, Qwen3's ``<tool_call>``), with each
+        call's arguments as an object; otherwise tools are described in the system prompt, and earlier calls are
+        written into the assistant messages, in the format the output is parsed in."""
         if not self.has_chat_template:
             raise Unprocessable("this model has no chat template; send the legacy {\"inputs\": ...} schema instead",
                                 param="messages")
         extra = dict(template_kwargs or {})  # chat_template_kwargs (enable_thinking, ...), reasoning_effort
-        if tools and self._template_renders_tools:
-            extra["tools"] = tools
+        if self._template_renders_tools:
+            messages = [_with_call_arguments(message) for message in messages]
+            if tools:
+                extra["tools"] = tools
         else:
             messages = self.with_tools(messages, tools or [])
         try:
@@ -174,3 +183,22 @@ class PromptRenderer:
         if rendered and rendered[0]["role"] == "system" and isinstance(rendered[0].get("content"), str):
             return [{**rendered[0], "content": f"{rendered[0]['content']}\n\n{description}"}, *rendered[1:]]
         return [{"role": "system", "content": description}, *rendered]
+
+
+def _with_call_arguments(message: dict) -> dict:
+    """An assistant message whose calls' ``arguments`` (OpenAI's JSON text) are objects, as chat templates take them
+    (transformers' tool-use docs; vLLM does the same): gpt-oss's template writes ``arguments|tojson``, which would
+    quote the text a second time. Arguments that are not JSON stay as they were sent."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function = {**function, "arguments": json.loads(arguments)}
+            except ValueError:
+                pass
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}

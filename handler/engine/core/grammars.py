@@ -69,16 +69,30 @@ def grammar_lark(source: str) -> str:
         raise ValueError(f"not a Lark or GBNF grammar: {error}") from None
 
 
+# gpt-oss's harmony output after a prompt ending ``<|start|>assistant``: whole analysis (or commentary preamble)
+# messages, each ``<|channel|>NAME<|message|>TEXT<|end|><|start|>assistant``, then the final channel's header and the
+# answer, which ends the output (``<|return|>`` is the model's end-of-sequence token). The markers are special tokens,
+# named as such (llguidance's ``<|...|>`` syntax); text lexemes never match a special token, so TEXT ends at
+# ``<|end|>``. Measured with a tokenizer carrying harmony's tokens (tests/unit/test_harmony.py).
+HARMONY_GATE = """start: message* <|channel|> "final" <|message|> @answer
+message: <|channel|> ("analysis" | "commentary") <|message|> TEXT <|end|> <|start|> "assistant"
+TEXT: /(?s:.*)/
+"""
+
+
 def gated_grammar(spec: GrammarSpec) -> str:
-    """llguidance's top-level grammar (JSON) for a spec that starts after the model's reasoning: free text up to the
-    end marker (after the start marker, optional unless the prompt opened it), then the spec's own grammar as a
-    named sub-grammar, so its rules cannot clash with the gate's. Measured with the embedded tokenizer: the end
-    marker split over several tokens (``</``, ``think``, ``>``) is matched."""
+    """llguidance's top-level grammar (JSON) for a spec that starts after the model's reasoning (harmony: see
+    ``HARMONY_GATE``): free text up to the end marker (after the start marker, optional unless the prompt opened
+    it), then the spec's own grammar as a named sub-grammar, so its rules cannot clash with the gate's. Measured with
+    the embedded tokenizer: the end marker split over several tokens (``</``, ``think``, ``>``) is matched."""
     gate = spec.after_reasoning
     if gate is None:
         raise ValueError("the grammar has no reasoning gate")
-    end = json.dumps(gate.end, ensure_ascii=False)
-    opening = "think" if gate.opened else f"({json.dumps(gate.start, ensure_ascii=False)} think)?"
-    top = f'start: {opening} /[ \\n]*/ @answer\nthink[stop={end}]: /(?s:.*)/'
+    if gate.style == "harmony":
+        top = HARMONY_GATE
+    else:
+        end = json.dumps(gate.end, ensure_ascii=False)
+        opening = "think" if gate.opened else f"({json.dumps(gate.start, ensure_ascii=False)} think)?"
+        top = f'start: {opening} /[ \\n]*/ @answer\nthink[stop={end}]: /(?s:.*)/'
     answer = {"name": "answer", "lark_grammar": to_lark(spec)}
     return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
