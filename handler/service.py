@@ -142,11 +142,13 @@ class ModelService:
             log.exception("custom handler %s failed to initialise", self.user_handler.name)
             self.handler_error = f"custom handler {self.user_handler.name} failed to initialise: {error}"
 
-    def _on_parts(self, parts: PromptParts, path: str, reason: str) -> None:
-        """The backend has loaded (on its thread): what the prompt layer renders with, and which path serves."""
+    def _on_parts(self, parts: PromptParts, path: str, reason: str) -> str | None:
+        """The backend has loaded (on its thread): what the prompt layer renders with, and which path serves.
+        Returns the reasoning format the renderer uses (vLLM's engine gates structured outputs by it)."""
         self.renderer = self._renderer(parts.tokenizer, parts.vision)
         self.engine_path = path
         metrics.record_engine_path(path, reason)
+        return self.renderer.reasoning_parser
 
     def _renderer(self, tokenizer, encoder) -> PromptRenderer:
         settings = self.settings

@@ -16,7 +16,9 @@ from handler.config import Settings, check_lean_settings, vllm_installed
 from handler.engine.backend import Admission, EngineBackend, EngineLimits, EngineStats
 from handler.engine.types import PromptParts
 
-PartsListener = Callable[[PromptParts, str, str], None]  # (parts, path: "lean" | "transformers" | "vllm", why)
+# (parts, path: "lean" | "transformers" | "vllm", why) -> the reasoning format the prompt layer reads in the chat
+# template (``option.reasoning_parser``, or detected under ``auto``): vLLM gates structured outputs by it
+PartsListener = Callable[[PromptParts, str, str], str | None]
 
 
 def uses_vllm(settings: Settings) -> bool:

@@ -51,6 +51,22 @@ def settings(**values) -> Settings:
 
 # ---- settings -> engine arguments -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize(("setting", "detected", "expected"), [
+    ("auto", "qwen3", "qwen3"),            # auto: the format the prompt layer read in the chat template
+    ("auto", "gpt_oss", "openai_gptoss"),  # vLLM's name for harmony's parser
+    ("auto", None, None),                  # a template without reasoning: no parser, grammars from the start
+    ("none", None, None),
+    ("deepseek_r1", "deepseek_r1", "deepseek_r1"),
+    ("gpt_oss", None, "openai_gptoss"),    # the setting alone (a caller that detected nothing)
+])
+def test_the_reasoning_format_maps_to_vllms_reasoning_parser(setting: str, detected, expected) -> None:
+    """vLLM starts a structured output after the reasoning only when its engine has a reasoning parser: under
+    auto it must get the detected format, in vLLM's spelling."""
+    kwargs = engine_kwargs(settings(reasoning_parser=setting), CPU, 2048, SMOLLM2_135M, detected)
+    assert kwargs.get("reasoning_parser") == expected
+
+
+
 def test_lmi_names_map_onto_vllm_engine_arguments() -> None:
     kwargs = engine_kwargs(settings(tensor_parallel_degree=4, pipeline_parallel_degree=2, max_rolling_batch_size=64,
                                     max_num_batched_tokens=4096, dtype="fp16", quantize="awq",

@@ -121,7 +121,7 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
     return Resolved(device, dtype, quantize)
 
 
-def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[PromptParts, str, str], None],
+def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[PromptParts, str, str], object],
              num_threads: int | None = None) -> LoadedModel:
     """``load`` as the settings say, on the engine thread; hands the prompt layer its parts and logs the load."""
     if num_threads:

@@ -58,9 +58,17 @@ def parallel_degree(settings: Settings, placement: Placement) -> int:
     return placement.num_gpus
 
 
-def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, model_config: dict) -> dict:
+# our reasoning formats (option.reasoning_parser's names) -> vLLM 0.32's reasoning parsers (vllm/reasoning/__init__.py)
+VLLM_REASONING_PARSERS = {"deepseek_r1": "deepseek_r1", "qwen3": "qwen3", "gpt_oss": "openai_gptoss"}
+
+
+def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, model_config: dict,
+                  reasoning_parser: str | None = None) -> dict:
     """``AsyncEngineArgs`` keyword arguments for the settings and the checkpoint's config.json; a setting vLLM cannot
-    honour here is a ``ConfigError`` naming its key."""
+    honour here is a ``ConfigError`` naming its key. ``reasoning_parser``: the reasoning format the prompt layer
+    uses (the setting's, or under ``auto`` the one its chat template shows); vLLM's parser of that format then
+    starts structured outputs where the reasoning ends (its ``StructuredOutputManager`` consults the parser's
+    ``is_reasoning_end``; ``enable_in_reasoning`` stays off)."""
     check_settings(settings, placement)
     tensor, pipeline = parallel_degree(settings, placement), settings.pipeline_parallel_degree
     check_split(model_config, tensor, pipeline)
@@ -90,8 +98,10 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         "disable_log_stats": True,
         "seed": 0,
     }
-    if settings.reasoning_parser not in ("auto", "none"):  # vLLM then applies grammars after the reasoning ends
-        kwargs["reasoning_parser"] = settings.reasoning_parser
+    if reasoning_parser is None and settings.reasoning_parser not in ("auto", "none"):
+        reasoning_parser = settings.reasoning_parser
+    if reasoning_parser is not None:  # vLLM then applies grammars after the reasoning ends
+        kwargs["reasoning_parser"] = VLLM_REASONING_PARSERS[reasoning_parser]
     if "vision_config" in model_config:  # vLLM sizes its encoder cache and start-up profile by this
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:

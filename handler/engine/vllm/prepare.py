@@ -18,7 +18,7 @@ from handler.engine.vllm.backend import Prepared
 
 
 def prepare(settings: Settings, max_model_len: int,
-            on_parts: Callable[[PromptParts, str, str], None]) -> Prepared:
+            on_parts: Callable[[PromptParts, str, str], str | None]) -> Prepared:
     """The engine arguments and vocabulary; ``on_parts(parts, "vllm", why)`` hands the prompt layer its tokenizer."""
     from vllm.platforms import current_platform
 
@@ -30,15 +30,17 @@ def prepare(settings: Settings, max_model_len: int,
 
         num_gpus = torch.cuda.device_count()
     placement = Placement(device, num_gpus, tuple(sorted(os.sched_getaffinity(0))))
-    kwargs = engine_kwargs(settings, placement, max_model_len, model_config)
-    os.environ.update(engine_environment(settings, placement, dict(os.environ)))  # vLLM's processes inherit it
     tokenizer = load_tokenizer(settings.model_dir)
     images = None
     if "vision_config" in model_config:  # vLLM runs the vision tower: the prompt layer hands it decoded images
         from handler.engine.model.vision import ImageProcessor
 
         images = ImageProcessor.load(settings.model_dir)
-    on_parts(PromptParts(tokenizer, images), "vllm", f"option.rolling_batch={settings.rolling_batch}, {device}")
+    # the prompt layer's reasoning format (detected from the template under auto) gates vLLM's structured outputs
+    reasoning_parser = on_parts(PromptParts(tokenizer, images), "vllm",
+                                f"option.rolling_batch={settings.rolling_batch}, {device}")
+    kwargs = engine_kwargs(settings, placement, max_model_len, model_config, reasoning_parser)
+    os.environ.update(engine_environment(settings, placement, dict(os.environ)))  # vLLM's processes inherit it
     vocabulary = Vocabulary(tokenizer.backend_tokenizer, eos_token_ids(settings.model_dir, tokenizer),
                             frozenset(tokenizer.all_special_ids))
     return Prepared(kwargs, vocabulary)
