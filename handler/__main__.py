@@ -71,6 +71,15 @@ def prepare_metrics_dir(environ: dict[str, str] | os._Environ) -> Path | None:
     return None
 
 
+def prepare_adapter_registry(settings: Settings) -> tuple[Settings, Path | None]:
+    """With option.enable_lora: the folder the workers share their adapter registry in (made now, before the fork,
+    unless option.adapter_registry_dir names one); returns the folder when it made a temporary one."""
+    if not settings.enable_lora or settings.adapter_registry_dir:
+        return settings, None
+    path = Path(tempfile.mkdtemp(prefix="llm-adapters-"))
+    return settings.model_copy(update={"adapter_registry_dir": str(path)}), path
+
+
 def worker_exited(server, worker) -> None:
     """gunicorn's ``child_exit`` hook (in the master): a dead worker's live gauges stop counting."""
     from prometheus_client import multiprocess  # the variable is set by now, so the mode is right
@@ -178,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     made_dir, master_pid = prepare_metrics_dir(os.environ), os.getpid()  # before gunicorn forks any worker
+    settings, registry_dir = prepare_adapter_registry(settings)
     try:
         run_server(settings, gunicorn_options(settings))
-    finally:  # a worker's SystemExit comes through here too: only the master removes the folder
-        if made_dir is not None and os.getpid() == master_pid:
-            shutil.rmtree(made_dir, ignore_errors=True)
+    finally:  # a worker's SystemExit comes through here too: only the master removes the folders
+        for made in (made_dir, registry_dir):
+            if made is not None and os.getpid() == master_pid:
+                shutil.rmtree(made, ignore_errors=True)
     return 0
 
 

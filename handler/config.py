@@ -138,6 +138,9 @@ class Settings(BaseModel):
     enable_lora: bool = False
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1, le=512)
+    # the folder where gunicorn's workers share which adapters are registered (handler/adapter_registry.py); unset:
+    # a temporary folder the server makes at start (only the workers of one server may share one)
+    adapter_registry_dir: str | None = None
     output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     default_max_new_tokens: int = Field(256, ge=1)          # legacy schema, when the request names none
     # body fields this server does not declare, for the whole deployment (Azure's extra-parameters meanings); per

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -62,7 +63,9 @@ class RequestRecord:
 
     def to_log(self, status: int, now: float) -> dict:
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.started, 4)
-        line = {"event": "request", "request_id": self.request_id, "route": self.route, "schema": self.schema,
+        # pid: which gunicorn worker answered (with several, each has its own engine, batch and stored Responses)
+        line = {"event": "request", "request_id": self.request_id, "pid": os.getpid(), "route": self.route,
+                "schema": self.schema,
                 "stream": self.is_stream, "status": status, "prompt_tokens": self.num_prompt_tokens,
                 "completion_tokens": self.num_completion_tokens, "ttft_s": ttft,
                 "total_s": round(now - self.started, 4), "finish_reason": self.finish_reason}

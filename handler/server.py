@@ -31,9 +31,9 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTo
 from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import intake, metrics, request_log
+from handler.adapter_registry import SharedAdapters
 from handler.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
-from handler.engine.backend import AdapterManager
 from handler.engine.types import AdapterInfo, GenerationRequest
 from handler.errors import (
     BadRequest,
@@ -427,15 +427,18 @@ class Routes:
             return generations
         return [dataclasses.replace(g, adapter=name, adapter_param=param) for g in generations]
 
-    def _adapters(self) -> AdapterManager | None:
-        """The backend's adapters (a stand-in backend without the attribute serves none)."""
-        return getattr(self.service.engine, "adapters", None)
+    def _adapters(self) -> SharedAdapters | None:
+        """The adapters, the same in every worker (a stand-in service without the attribute serves none)."""
+        return getattr(self.service, "adapters", None)
 
     def _adapter_names(self) -> set[str]:
         store = self._adapters()
         return set() if store is None else {info.name for info in store.list()}
 
     def _submit(self, generation) -> ObservedHandle:
+        store = self._adapters() if generation.adapter is not None else None
+        if store is not None:
+            store.sync()  # registered or removed by another worker since: the engine resolves from this worker's
         try:
             handle = self.service.engine.submit(generation)
         except Overloaded:
@@ -487,7 +490,7 @@ class Routes:
     def list_adapters(self) -> Response:
         return json_response({"adapters": [_adapter_card(info) for info in self._adapter_store().list()]})
 
-    def _adapter_store(self) -> AdapterManager:
+    def _adapter_store(self) -> SharedAdapters:
         if not self.service.engine.is_ready:
             raise NotReady("the model is still loading")
         store = self._adapters()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from handler import metrics
+from handler.adapter_registry import SharedAdapters
 from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
 from handler.engine.backend import EngineBackend, EngineLimits
@@ -118,6 +121,8 @@ class ModelService:
             self.engine = HandlerOnly(self.user_handler.name)
         self.defaults = request_defaults(settings)
         self.responses = ResponseStore(settings.responses_store_size)  # this worker's stored Responses
+        self._shared_adapters: SharedAdapters | None = None
+        self._adapters_lock = threading.Lock()
 
     def start(self) -> None:
         self.engine.start()
@@ -128,6 +133,19 @@ class ModelService:
     def is_ready(self) -> bool:
         handler_ready = self.user_handler is None or self.user_handler.is_initialised
         return self.engine.is_ready and handler_ready
+
+    @property
+    def adapters(self) -> SharedAdapters | None:
+        """The LoRA adapters, kept equal across the server's workers (None while the backend serves none)."""
+        store = getattr(self.engine, "adapters", None)  # a stand-in backend without the attribute serves none
+        if store is None:
+            return None
+        with self._adapters_lock:
+            if self._shared_adapters is None or self._shared_adapters.store is not store:
+                named = self.settings.adapter_registry_dir
+                folder = Path(named) if named else Path(tempfile.mkdtemp(prefix="llm-adapters-"))
+                self._shared_adapters = SharedAdapters(store, self.settings, folder)
+            return self._shared_adapters
 
     @property
     def load_error(self) -> str | None:

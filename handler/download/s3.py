@@ -25,6 +25,14 @@ CHUNK_BYTES = 32 << 20     # one ranged GET; a shard of several GB is many of th
 CONCURRENCY = 16           # GETs in flight (network-bound: more threads than cores is right)
 
 
+class NoCredentials(ConfigError):
+    """No AWS credentials in the default chain: the server's setup, not what a caller named."""
+
+
+class Unreachable(ConfigError):
+    """S3 could not be reached (no endpoint, a connection that kept failing): not what a caller named."""
+
+
 class S3Source:
     def __init__(self, url: str, settings: Settings) -> None:
         bucket, _, prefix = url[len("s3://"):].partition("/")
@@ -51,10 +59,10 @@ class S3Source:
             raise ConfigError(f"{self.name}: S3 answered {code}: {error.response.get('Error', {}).get('Message')}"
                               ) from None
         except NoCredentialsError:
-            raise ConfigError(f"{self.name}: no AWS credentials found (an endpoint's execution role, "
+            raise NoCredentials(f"{self.name}: no AWS credentials found (an endpoint's execution role, "
                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...)") from None
         except BotoCoreError as error:  # no endpoint, a connection that kept failing
-            raise ConfigError(f"{self.name}: {error}") from None
+            raise Unreachable(f"{self.name}: {error}") from None
         if self.settings.load_format == "pt" and not any(self.folder.glob("*.safetensors")):
             from handler.download.convert import convert_pickled
 

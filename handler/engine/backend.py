@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from handler.engine.types import AdapterInfo, EmbeddingRequest, Embeddings, GenerationRequest, TokenEvent
@@ -78,7 +79,10 @@ class AdapterManager(Protocol):
     loaded at once, the least recently used unpinned one evicted for another. Errors are ``ServingError``s naming
     the field: 404 for an unknown name, 400 for a folder that is no adapter of this model, 409 for a taken name."""
 
-    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False) -> AdapterInfo: ...
+    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False,
+                 folder: Path | None = None) -> AdapterInfo:
+        """``folder``: where ``src``'s files are on this machine (an ``s3://`` src downloaded); unset: ``src``."""
+        ...
 
     def unregister(self, name: str) -> None: ...
 

@@ -14,6 +14,6 @@ class RegisterAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
-    src: str = Field(min_length=1)           # a local folder (file:// allowed); s3:// is refused for now
+    src: str = Field(min_length=1)           # a local folder (file:// allowed) or an s3:// prefix
     preload: bool = True                     # load the weights now (else at first use)
     pin: bool = False                        # never evicted for another adapter (loaded now)

@@ -25,7 +25,7 @@ LAYERS = [
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
     ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight",
-                "handler.download", "handler.response_store"]),
+                "handler.download", "handler.response_store", "handler.adapter_registry"]),
     ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
                "handler.disconnect", "handler.assemble_model", "handler.worker", "handler.request_reader"]),
 ]

@@ -91,7 +91,8 @@ def test_record_times_tokens_per_choice() -> None:
     assert record.on_event(1, final(0), 12.5) is None
     assert record.on_event(1, final(1, FinishReason.EOS, 1), 12.5) is None
     line = record.to_log(200, now=13.0)
-    assert line == {"event": "request", "request_id": "r", "route": "/invocations", "schema": "none", "stream": False,
+    assert line == {"event": "request", "request_id": "r", "pid": os.getpid(), "route": "/invocations",
+                    "schema": "none", "stream": False,
                     "status": 200, "prompt_tokens": 0, "completion_tokens": 3, "ttft_s": 1.0, "total_s": 3.0,
                     "finish_reason": "length,eos"}
 

@@ -26,6 +26,7 @@ Loader = Callable[[Path, str], AdapterWeights]
 class _Entry:
     name: str
     src: str
+    folder: Path
     pinned: bool
     weights: AdapterWeights | None = None
 
@@ -40,14 +41,17 @@ class AdapterStore:
         self._events: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
-    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False) -> AdapterInfo:
-        folder = _local_folder(src)
+    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False,
+                 folder: Path | None = None) -> AdapterInfo:
+        """``folder``: where ``src``'s files are (the server downloads an ``s3://`` src first); unset: ``src`` is
+        a local folder."""
+        folder = folder or _local_folder(src)
         with self._lock:
             if name in self._entries:
                 raise Conflict(f"the adapter {name} already exists; DELETE /adapters/{name} before registering it "
                                "again", param="name")
             read_adapter_config(folder, self.max_rank)  # a folder that is no adapter fails now, not at first use
-            entry = _Entry(name, src, pin)
+            entry = _Entry(name, src, folder, pin)
             if preload or pin:  # a pinned adapter is kept loaded, so it loads now
                 self._bring_in(entry, folder)
             self._entries[name] = entry
@@ -71,7 +75,7 @@ class AdapterStore:
                 raise NotFound(f"The adapter {name} was not found (GET /adapters lists them)", param=param,
                                code="adapter_not_found")
             if entry.weights is None:
-                self._bring_in(entry, _local_folder(entry.src))
+                self._bring_in(entry, entry.folder)
             self._loaded.move_to_end(name)
             return entry.weights
 
@@ -100,7 +104,8 @@ class AdapterStore:
 
 def _local_folder(src: str) -> Path:
     if src.startswith("s3://"):
-        raise BadRequest(f"src {src}: adapters from S3 are not fetched yet; give a local folder", param="src")
+        raise BadRequest(f"src {src}: an s3:// src is downloaded by the server (POST /adapters), not here",
+                         param="src")
     folder = Path(src.removeprefix("file://"))
     if not folder.is_dir():
         raise BadRequest(f"src {src}: no such folder", param="src")

@@ -43,11 +43,17 @@ class VllmAdapters:
         self._ids = itertools.count(1)   # vLLM's lora_int_id must be > 0 and unique per adapter
         self._lock = threading.Lock()
 
-    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False) -> AdapterInfo:
+    def register(self, name: str, src: str, *, preload: bool = True, pin: bool = False,
+                 folder: Path | None = None) -> AdapterInfo:
+        """``folder``: where ``src``'s files are (the server downloads an ``s3://`` src first); unset: ``src`` is
+        a local folder."""
         from vllm.lora.request import LoRARequest
 
-        folder = Path(src.removeprefix("file://"))
-        rank = _checked_rank(folder, src, self.max_rank)
+        if folder is None and src.startswith("s3://"):
+            raise BadRequest(f"src {src}: an s3:// src is downloaded by the server (POST /adapters), not here",
+                             param="src")
+        folder = folder or Path(src.removeprefix("file://"))
+        rank = _checked_rank(folder, self.max_rank)
         with self._lock:
             if name in self._entries:
                 raise Conflict(f"the adapter {name} already exists; DELETE /adapters/{name} before registering it "
@@ -89,9 +95,7 @@ class VllmAdapters:
         return future.result(_WAIT_S)
 
 
-def _checked_rank(folder: Path, src: str, max_rank: int) -> int:
-    if src.startswith("s3://"):
-        raise BadRequest(f"src {src}: adapters from S3 are not fetched yet; give a local folder", param="src")
+def _checked_rank(folder: Path, max_rank: int) -> int:
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise BadRequest(f"{folder}: not a PEFT adapter folder (no adapter_config.json)", param="src")
