@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
-TEST_TOOLS=(pytest==9.2.0 openai==3.54.0)   # for `make test-vllm`, pinned as in requirements-dev.txt
+TEST_TOOLS=(pytest==9.2.0 openai==3.54.0 peft==0.21.2)   # for `make test-vllm`, pinned as in requirements-dev.txt
 stamp="$VENV/.requirements.sha256"
 want=$( (cat requirements-vllm.txt; printf '%s\n' "${TEST_TOOLS[@]}") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

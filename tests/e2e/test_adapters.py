@@ -28,8 +28,12 @@ PROMPTS = {"a1": list(range(300, 340)), "a2": list(range(500, 537)), None: list(
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    base = build_tiny(root / "base", "llama")
+    return build_folders(tmp_path_factory.mktemp("adapters"))
+
+
+def build_folders(root: Path, **base_overrides) -> dict[str, Path]:
+    """The tiny llama (``base_overrides``: its config fields) and three adapters of it."""
+    base = build_tiny(root / "base", "llama", **base_overrides)
     return {"base": base,
             "a1": build_adapter(base, root / "a1", ["q_proj", "v_proj"], rank=4, alpha=8, seed=1),
             "a2": build_adapter(base, root / "a2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
