@@ -27,9 +27,11 @@ import torch
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
 from handler.errors import BadRequest
 
-# PEFT's module names -> (our fused site, which part of it, in order)
+# PEFT's module names -> (our fused site, which part of it, in order; None: the whole site, a projection the
+# checkpoint itself fuses: phi3's qkv_proj is q, k, v rows and its gate_up_proj gate then up rows, as our sites are)
 MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("out", 0),
-           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+           "qkv_proj": ("qkv", None), "gate_up_proj": ("gate_up", None)}
 SITES = ("qkv", "out", "gate_up", "down")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # adapter_config.json fields whose non-default values we cannot honour, and why (one line each)
@@ -201,8 +203,8 @@ def _pairs(tensors: dict[str, torch.Tensor], model, path: Path) -> dict[int, dic
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None or match.group(2) not in MODULES:
-            raise BadRequest(f"{path}: tensor {key} targets a module adapters cannot change here (served: "
-                             f"{', '.join(MODULES)})", param="src")
+            raise BadRequest(f"{path}: the adapter changes {_module_of(key)} ({key}), which adapters cannot change "
+                             f"here (served: {', '.join(MODULES)}; not MoE experts or routers)", param="src")
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         if layer >= len(model.layers):
             raise BadRequest(f"{path}: tensor {key} is for layer {layer}; the model has {len(model.layers)}",
@@ -213,6 +215,13 @@ def _pairs(tensors: dict[str, torch.Tensor], model, path: Path) -> dict[int, dic
             if a is None or b is None:
                 raise BadRequest(f"{path}: layer {layer} {module} has lora_A or lora_B missing", param="src")
     return pairs
+
+
+def _module_of(key: str) -> str:
+    """The module a PEFT tensor key changes: ``base_model.model.model.layers.0.mlp.experts.lora_A.weight`` ->
+    ``mlp.experts``."""
+    module = re.sub(r"\.lora_[AB](\.[\w-]+)?\.weight$", "", key.removeprefix("base_model.model."))
+    return re.sub(r"^(model\.)?layers\.\d+\.", "", module)
 
 
 def _layer_deltas(model, index: int, modules: dict[str, list[torch.Tensor]], scale: float,
@@ -228,6 +237,11 @@ def _layer_deltas(model, index: int, modules: dict[str, list[torch.Tensor]], sca
         except KeyError:
             raise BadRequest(f"{path}: layer {index} has no dense MLP (an MoE layer): adapters on "
                              f"{', '.join(m for m, _ in parts.values())} are not served there", param="src") from None
+        if None in parts:  # the checkpoint's own fused module: one part, the site's every output row
+            if len(parts) > 1:
+                raise BadRequest(f"{path}: layer {index} has {', '.join(sorted(m for m, _ in parts.values()))} "
+                                 "together: a fused module and its parts cannot both be changed", param="src")
+            sizes, parts = [sum(sizes)], {0: parts[None]}
         deltas[site] = _site_delta(model, layer, site, sizes, parts, scale, path, index)
     return deltas
 
