@@ -34,16 +34,17 @@ def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer,
     prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images, arrived_at=arrived_at,
                                     template_kwargs=parsed.template_kwargs())
     generation = parsed.to_generation_request(prompt, plan, default_temperature)
-    return dataclasses.replace(_with_reasoning(generation, renderer), arrived_at=arrived_at)
+    return dataclasses.replace(_with_reasoning(generation, renderer, plan), arrived_at=arrived_at)
 
 
-def _with_reasoning(generation: GenerationRequest, renderer: PromptRenderer) -> GenerationRequest:
+def _with_reasoning(generation: GenerationRequest, renderer: PromptRenderer, plan: OutputPlan) -> GenerationRequest:
     """For a reasoning model: its markers' special tokens kept in the text (the formatter splits on them), and
-    an output grammar that starts once the reasoning has ended."""
+    an output grammar that starts once the reasoning has ended (unless it spans the reasoning itself: gpt-oss's
+    forced calls)."""
     if renderer.reasoning_parser is None:
         return generation
     grammar, gate = generation.grammar, renderer.reasoning_gate(generation.prompt_ids)
-    if grammar is not None and gate is not None:
+    if grammar is not None and gate is not None and not plan.spans_reasoning:
         grammar = dataclasses.replace(grammar, after_reasoning=gate)
     keep = generation.keep_special_ids + renderer.reasoning_keep_ids
     return dataclasses.replace(generation, grammar=grammar, keep_special_ids=keep)

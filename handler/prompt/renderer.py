@@ -78,10 +78,14 @@ class PromptRenderer:
         if self.reasoning_parser is None:
             return None
         if self.reasoning_parser == "gpt_oss":
-            if len(self.reasoning_keep_ids) < len(reasoning.HARMONY_TOKENS):
-                return None
-            return ReasoningGate("", "", True, style="harmony")
+            return ReasoningGate("", "", True, style="harmony") if self.speaks_harmony else None
         return ReasoningGate(reasoning.THINK_START, reasoning.THINK_END, self.opens_reasoning(prompt_ids))
+
+    @property
+    def speaks_harmony(self) -> bool:
+        """Whether the model writes gpt-oss's harmony with all its markers as special tokens, which the grammars
+        for harmony output (the reasoning gate, forced calls) name."""
+        return self.reasoning_parser == "gpt_oss" and len(self.reasoning_keep_ids) == len(reasoning.HARMONY_TOKENS)
 
     def _special_token_id(self, text: str) -> int | None:
         """The id of ``text`` when the tokenizer has it as one special token (Mistral's ``[TOOL_CALLS]``, Llama's

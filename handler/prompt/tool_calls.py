@@ -25,6 +25,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from handler.engine.core.grammars import HARMONY_MESSAGES
 from handler.engine.core.json_rules import JSON_LAYOUT, apply_json_rules
 
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
@@ -255,6 +256,25 @@ def call_grammar(tools: list[dict], fmt: str, *, parallel: bool, marker_token_id
     else:
         opener = "" if spec.calls_at_start else json.dumps(spec.opener)
     return f"{spec.start_rule(opener, parallel)}\ncall: %json {json.dumps(call)}\n"
+
+
+def harmony_call_grammar(tools: list[dict]) -> str:
+    """A Lark grammar for gpt-oss's forced call, in harmony's own form (openai/harmony ``docs/format.md``, "Receiving
+    tool calls"): any whole analysis / commentary messages first (``grammars.HARMONY_MESSAGES``, as the reasoning
+    gate leaves them free), then one message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``
+    whose body is arguments valid against the function's schema, ended by ``<|call|>``. ``<|call|>`` is a stop token
+    (gpt-oss's generation config), so a harmony turn holds one call: ``parallel_tool_calls`` cannot add more."""
+    if not tools:
+        raise ValueError("a tool-call grammar needs at least one tool")
+    functions = [_function_of(t) for t in tools]
+    rules = [f"start: message* ({' | '.join(f'call_{i}' for i in range(len(functions)))})"]
+    for index, function in enumerate(functions):
+        parameters = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+        arguments = {**apply_json_rules(parameters), "x-guidance": JSON_LAYOUT}
+        header = json.dumps(f"commentary to=functions.{function['name']} ")
+        rules.append(f"call_{index}: <|channel|> {header} <|constrain|> \"json\" <|message|> "
+                     f"%json {json.dumps(arguments)} <|call|>")
+    return "\n".join(rules) + "\n" + HARMONY_MESSAGES
 
 
 def _decode(text: str) -> object:

@@ -144,7 +144,8 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
         """The grammar the engine enforces and the tool-call format the formatter parses (computed once)."""
         if self._plan is None:
             self._plan = plan_output(self.response_format, self.tools, self.tool_choice, self.parallel_tool_calls,
-                                     renderer.tool_format, renderer.tool_marker_id, self.constraint())
+                                     renderer.tool_format, renderer.tool_marker_id, self.constraint(),
+                                     harmony=renderer.speaks_harmony)
         return self._plan
 
     def check(self) -> None:

@@ -7,7 +7,9 @@ schema, or a forced tool call), and whether the formatter looks for tool calls i
 - ``tools`` with ``tool_choice`` ``auto`` (the default when tools are given): tools are shown to the model and
   its text is parsed for calls; it may answer in plain text.
 - ``required`` / a named function: decoding is constrained to one call (several with ``parallel_tool_calls``) of
-  a declared function whose arguments validate against its ``parameters`` schema.
+  a declared function whose arguments validate against its ``parameters`` schema. On a harmony model (gpt-oss) the
+  call is harmony's own commentary message after free analysis messages, one per turn
+  (``tool_calls.harmony_call_grammar``); elsewhere it is the text format's (hermes, llama3_json, mistral).
 - ``none``: tools are not shown to the model and nothing is parsed.
 """
 
@@ -78,6 +80,7 @@ class OutputPlan:
     tool_format: str | None = None  # parse tool calls out of the text in this format (None: do not parse)
     marker_id: int | None = None  # the format's opener as one special token: kept in the output text
     calls_only: bool = False  # a forced call: the output is calls and nothing else (a cut-off call is dropped)
+    spans_reasoning: bool = False  # the grammar models the reasoning too (harmony calls): no reasoning gate around it
 
 
 def plan_output(
@@ -88,9 +91,11 @@ def plan_output(
     tool_format: str,
     marker_id: int | None = None,
     constraint: GrammarSpec | None = None,
+    harmony: bool = False,
 ) -> OutputPlan:
     """What the engine enforces and the formatter parses, after checking the fields agree. ``constraint`` is the
-    grammar another constraint field asked for (``protocol.constraints``): one of it and ``response_format``."""
+    grammar another constraint field asked for (``protocol.constraints``): one of it and ``response_format``.
+    ``harmony``: the model writes harmony (gpt-oss, with its special tokens), so a forced call is harmony's."""
     grammar = only_one([spec for spec in (_response_grammar(response_format), constraint) if spec is not None])
     if not tools:
         if tool_choice not in (None, "none"):
@@ -110,10 +115,13 @@ def plan_output(
     # OpenAI: "required" calls one or more functions; a named function is called exactly once
     forced = definitions if choice == "required" else [_named(definitions, choice.function.name)]
     parallel = choice == "required" and parallel_tool_calls is not False
-    source = tool_calls.call_grammar(list(forced), tool_format, parallel=parallel, marker_token_id=marker_id)
+    if harmony:
+        source = tool_calls.harmony_call_grammar(list(forced))
+    else:
+        source = tool_calls.call_grammar(list(forced), tool_format, parallel=parallel, marker_token_id=marker_id)
     grammar = GrammarSpec("lark", source, "tool_choice")
     return OutputPlan(grammar=grammar, tools=definitions, tool_format=tool_format, marker_id=marker_id,
-                      calls_only=True)
+                      calls_only=True, spans_reasoning=harmony)
 
 
 def _response_grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:

@@ -108,7 +108,7 @@ def harmony(tmp_path_factory: pytest.TempPathFactory):
 def scripted(harmony, body: dict, transcript: str) -> None:
     """Script ``transcript`` after the prompt the server will render for ``body``."""
     _, renderer, script = harmony
-    tools = [WEATHER] if body.get("tools") else None
+    tools = body.get("tools")
     kwargs = {"reasoning_effort": body["reasoning_effort"]} if "reasoning_effort" in body else None
     prompt = renderer.render_chat(body["messages"], tools, template_kwargs=kwargs)
     ids = renderer.encode(transcript)
@@ -186,3 +186,43 @@ def test_the_grammar_holds_the_final_message_when_the_script_leaves_it(harmony) 
     message = answer["choices"][0]["message"]
     assert message["reasoning"] == "The user wants Tokyo's weather."
     assert set(json.loads(message["content"])) == {"sunny"}
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "description": "Temperature unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+# the forced call in harmony's form, its arguments in the server's JSON layout (json_rules.JSON_LAYOUT)
+FORCED = (ANALYSIS + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"location": "Tokyo"}'
+          "<|call|>")
+
+
+def test_a_forced_call_is_harmonys_commentary_message_after_free_analysis(harmony) -> None:
+    """tool_choice required: the scripted analysis and harmony call go through the grammar whole (the hermes
+    grammar would mask the first ``<|channel|>``: no reasoning, a ``<tool_call>`` block instead), and come back as
+    tool_calls, streamed too."""
+    body = {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "required"}
+    choice = chat(harmony, body, FORCED).get_json()["choices"][0]
+    assert choice["message"]["reasoning"] == "The user wants Tokyo's weather."
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"location": "Tokyo"}'}]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    response = chat(harmony, {**body, "stream": True}, FORCED)
+    frames = [json.loads(f.removeprefix("data: ")) for f in response.get_data(as_text=True).split("\n\n")[:-2]]
+    deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "The user wants Tokyo's weather."
+    assert [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d] == [
+        {"name": "get_weather", "arguments": '{"location": "Tokyo"}'}]
+    assert not any(d.get("content") for d in deltas)
+    assert frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_forced_call_holds_the_function_and_its_schema(harmony) -> None:
+    """The script calls get_weather; tool_choice names set_unit. The grammar masks the scripted name and arguments,
+    so the call is set_unit's with a unit its schema allows, after the same free analysis."""
+    body = {"messages": QUESTION, "tools": [WEATHER, UNIT], "max_tokens": 48,
+            "tool_choice": {"type": "function", "function": {"name": "set_unit"}}}
+    choice = chat(harmony, body, FORCED).get_json()["choices"][0]
+    assert choice["message"]["reasoning"] == "The user wants Tokyo's weather."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "set_unit"
+    assert json.loads(call["function"]["arguments"]) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    assert choice["finish_reason"] == "tool_calls"

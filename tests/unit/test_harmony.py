@@ -19,6 +19,7 @@ from handler.engine.core.grammars import gated_grammar
 from handler.engine.types import GrammarSpec, ReasoningGate
 from handler.prompt.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
+from handler.prompt.tool_calls import harmony_call_grammar
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 WEATHER = {"type": "function", "function": {
@@ -165,3 +166,34 @@ PHONE = GrammarSpec("regex", r"\d{3}-\d{4}", "guided_regex", ReasoningGate("", "
 def test_the_harmony_gate_frees_analysis_and_holds_the_final_message(gpt_oss: PromptRenderer, text: str,
                                                                       accepted: bool, complete: bool) -> None:
     assert matcher_run(gpt_oss, PHONE, text) == (accepted, complete)
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+HEADER = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+
+
+@pytest.mark.parametrize(("text", "complete"), [
+    # harmony's call (docs/format.md, "Receiving tool calls") after analysis, and after a commentary preamble
+    ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant" + HEADER.format("get_weather")
+     + '{"location": "Tokyo"}<|call|>', True),
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant" + HEADER.format("set_unit")
+     + '{"unit": "celsius"}<|call|>', True),
+    (HEADER.format("set_unit") + '{"unit": "kelvin"}<|call|>', False),          # arguments outside the schema
+    (HEADER.format("get_time") + "{}<|call|>", False),                           # a function not in tools
+    ('<tool_call>\n{"name": "set_unit", "arguments": {"unit": "celsius"}}\n</tool_call>', False),  # hermes' form
+    ("<|channel|>final<|message|>It is sunny.<|return|>", False),               # an answer instead of a call
+    ("<|channel|>analysis<|message|>Thinking", False),                           # still in the reasoning
+])
+def test_a_forced_harmony_call_is_one_commentary_message_to_a_declared_function(gpt_oss: PromptRenderer, text: str,
+                                                                                 complete: bool) -> None:
+    import llguidance
+    import llguidance.hf
+
+    tokenizer = gpt_oss.tokenizer
+    ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=ends)
+    grammar = llguidance.LLMatcher.grammar_from_lark(harmony_call_grammar([WEATHER, UNIT]))
+    matcher = llguidance.LLMatcher(ll, grammar)
+    accepted = all(matcher.consume_token(t) for t in gpt_oss.encode(text))
+    assert (accepted and matcher.is_stopped()) == complete
