@@ -57,6 +57,9 @@ class PromptRenderer:
         self.has_chat_template = bool(template)
         self.tool_format = tool_calls.detect_format(template, None if tool_format == "auto" else tool_format)
         self._template_renders_tools = tool_calls.template_renders_tools(template)
+        # gpt-oss's template writes each tool as "// " + description, and fails on a tool without one
+        self._template_needs_descriptions = reasoning.detect_parser(
+            template if isinstance(template, str) else None, "auto") == "gpt_oss"
         self.tool_marker_id = self._special_token_id(tool_calls.FORMATS[self.tool_format].opener)
         self.reasoning_parser = reasoning.detect_parser(template if isinstance(template, str) else None,
                                                         reasoning_parser)
@@ -157,7 +160,7 @@ class PromptRenderer:
         if self._template_renders_tools:
             messages = [_with_call_arguments(message) for message in messages]
             if tools:
-                extra["tools"] = tools
+                extra["tools"] = [_with_description(t) for t in tools] if self._template_needs_descriptions else tools
         else:
             messages = self.with_tools(messages, tools or [])
         try:
@@ -187,6 +190,16 @@ class PromptRenderer:
         if rendered and rendered[0]["role"] == "system" and isinstance(rendered[0].get("content"), str):
             return [{**rendered[0], "content": f"{rendered[0]['content']}\n\n{description}"}, *rendered[1:]]
         return [{"role": "system", "content": description}, *rendered]
+
+
+def _with_description(tool: dict) -> dict:
+    """A tool whose function has a ``description``: an empty one where the request left it out (OpenAI makes it
+    optional). Harmony's own renderer writes a description's lines as ``// `` comments, so an empty one adds no
+    text; gpt-oss's template writes the comment marker regardless, which is the closest it can render."""
+    function = tool.get("function") or {}
+    if function.get("description") is not None:
+        return tool
+    return {**tool, "function": {**function, "description": ""}}
 
 
 def _with_call_arguments(message: dict) -> dict:

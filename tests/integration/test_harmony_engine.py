@@ -226,3 +226,16 @@ def test_a_named_forced_call_holds_the_function_and_its_schema(harmony) -> None:
     assert call["function"]["name"] == "set_unit"
     assert json.loads(call["function"]["arguments"]) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_a_tool_without_description_is_served_and_called(harmony) -> None:
+    """gpt-oss's template failed on a tool without ``description`` (400 naming messages); it is rendered with an
+    empty one, and a forced call to it (no ``parameters``: arguments ``{}``) comes back."""
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    body = {"messages": QUESTION, "tools": [clock], "tool_choice": "required"}
+    transcript = ANALYSIS + "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>"
+    response = chat(harmony, body, transcript)
+    assert response.status_code == 200, response.get_json()
+    choice = response.get_json()["choices"][0]
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
+    assert choice["finish_reason"] == "tool_calls"

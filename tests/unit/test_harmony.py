@@ -197,3 +197,15 @@ def test_a_forced_harmony_call_is_one_commentary_message_to_a_declared_function(
     matcher = llguidance.LLMatcher(ll, grammar)
     accepted = all(matcher.consume_token(t) for t in gpt_oss.encode(text))
     assert (accepted and matcher.is_stopped()) == complete
+
+
+def test_a_tool_without_description_renders_with_an_empty_one(gpt_oss: PromptRenderer) -> None:
+    """OpenAI makes ``description`` optional; gpt-oss's template writes ``"// " + tool.description`` and failed on its
+    absence (a 400 naming messages). An empty description renders as the template's bare comment marker (harmony's
+    own renderer writes no comment line for it), and the tool is declared as harmony declares one."""
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    text = gpt_oss.chat_text([{"role": "user", "content": "Time?"}], [tool])
+    assert "namespace functions {\n\n// \ntype get_time = () => any;\n\n} // namespace functions<|end|>" in text
+    described = gpt_oss.chat_text([{"role": "user", "content": "Time?"}],
+                                  [{"type": "function", "function": {"name": "get_time", "description": "Now"}}])
+    assert "// Now\ntype get_time = () => any;" in described  # a description given is written as it is
