@@ -24,6 +24,7 @@ from handler.engine.backend import EngineLimits
 from handler.engine.lean.engine import Engine, wait_until_ready
 from handler.prompt.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
+from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 from tests.tiny_checkpoints import SMOLLM2_DIR, TINY
@@ -100,7 +101,7 @@ def harmony(tmp_path_factory: pytest.TempPathFactory):
     renderer = PromptRenderer(parts.tokenizer)
     service = types.SimpleNamespace(settings=Settings(), model_name="m", defaults=RequestDefaults(0.0, 256),
                                     serves_builtin=True, renderer=renderer, engine=engine, user_handler=None,
-                                    is_ready=True, load_error=None)
+                                    is_ready=True, load_error=None, responses=ResponseStore(8))
     yield server.create_app(service).test_client(), renderer, script
     engine.stop()
 
@@ -239,3 +240,28 @@ def test_a_tool_without_description_is_served_and_called(harmony) -> None:
     choice = response.get_json()["choices"][0]
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
     assert choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_api_returns_a_reasoning_item_then_a_function_call(harmony, stream: bool) -> None:
+    """``/v1/responses`` over the same harmony transcript (a forced call): the analysis becomes a reasoning item, the
+    commentary call a function_call item, and there is no message item."""
+    function = WEATHER["function"]
+    scripted(harmony, {"messages": QUESTION, "tools": [WEATHER]}, FORCED)
+    body = {"input": QUESTION[0]["content"], "max_output_tokens": 64, "tool_choice": "required", "stream": stream,
+            "tools": [{"type": "function", "name": function["name"], "description": function["description"],
+                       "parameters": function["parameters"]}]}
+    response = post(harmony[0], "/v1/responses", body)
+    if stream:
+        records = [json.loads(frame.split("\n")[1].removeprefix("data: "))
+                   for frame in response.get_data(as_text=True).split("\n\n")[:-1]]
+        deltas = [r["delta"] for r in records if r["type"] == "response.reasoning_text.delta"]
+        assert len(deltas) > 3 and "".join(deltas) == "The user wants Tokyo's weather."  # token by token
+        assert records[-1]["type"] == "response.completed"
+        output = records[-1]["response"]["output"]
+    else:
+        output = response.get_json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "The user wants Tokyo's weather."}]
+    assert (output[1]["name"], output[1]["arguments"]) == ("get_weather", '{"location": "Tokyo"}')
+    assert output[1]["call_id"].startswith("call_") and output[1]["status"] == "completed"
