@@ -3,13 +3,23 @@
 # Keep the base an argument: any Debian-based image with apt works (debian:bookworm resolves to the local
 # debootstrap image on machines without a registry, see ci/image.sh).
 ARG BASE_IMAGE=debian:bookworm
+
+# The lean engine's int8 decode kernel (plain C), compiled in a stage of its own so the serving image carries the
+# library and not the compiler; at run time it takes the libgomp torch has already loaded.
+FROM ${BASE_IMAGE} AS kernel
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends gcc libc6-dev libgomp1 python3 >/dev/null
+COPY handler/engine/model/kernels/build.py handler/engine/model/kernels/int8_gemv.c /src/
+RUN LLM_KERNEL_CACHE=/opt/kernels python3 /src/build.py
+
 FROM ${BASE_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    LLM_KERNEL_CACHE=/opt/kernels
 
 # Python 3.11 from Debian, in a venv. (libgomp and friends ship inside the torch wheel.)
 RUN apt-get update -qq \
@@ -30,6 +40,8 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
 COPY handler/__init__.py handler/assemble_model.py handler/
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     TQDM_DISABLE=1 python -m handler.assemble_model --find-links /wheelhouse model_store/smollm2-135m-instruct
+
+COPY --from=kernel /opt/kernels/ /opt/kernels/
 
 # The application last: editing it rebuilds only these layers.
 COPY serving.properties ./

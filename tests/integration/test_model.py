@@ -12,8 +12,9 @@ import torch
 
 from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.kernels import cpu_flags
 from handler.engine.model.layout import build_layout
-from handler.engine.model.linear import _cpu_flags, activation_levels, describe_cpu, full_range_is_exact
+from handler.engine.model.linear import activation_levels, describe_cpu, full_range_is_exact
 from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from tests.integration.conftest import DEVICE
 
@@ -98,7 +99,7 @@ def test_int8_decode_row_does_not_depend_on_its_neighbours(int8_model, prompt_id
 def test_int8_invariance_holds_on_avx2_kernels_too():
     """The same checks with every kernel library held to AVX2 (no VNNI, no AVX-512), so CI proves both paths on
     whichever CPU it has: fbgemm, ATen's vector kernels, MKL and oneDNN each honour their variable."""
-    if "avx2" not in _cpu_flags():
+    if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2",
                MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", ENGINE_TEST_DEVICE="cpu")
@@ -136,6 +137,6 @@ def test_avx2_kernels_take_the_7_bit_path():
         assert emulated == (levels == 256 and not full_range_is_exact())
     elif os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2":
         assert levels == 128
-    elif "avx512_vnni" in _cpu_flags():
+    elif "avx512_vnni" in cpu_flags():
         assert levels == 256  # fbgemm's VNNI kernels (AMX CPUs have them too); AVX-VNNI alone is left to the probe
     assert f"{'8' if levels == 256 else '7'}-bit per-row activations" in describe_cpu()

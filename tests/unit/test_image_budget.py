@@ -430,7 +430,7 @@ def test_admission_counts_the_deadline_from_arrival_when_the_request_says() -> N
 def test_chat_requests_carry_the_time_they_arrived_before_rendering() -> None:
     class Renderer:
         tool_format, tool_marker_id, has_chat_template = "hermes", None, True
-        reasoning_parser, reasoning_keep_ids = None, ()
+        reasoning_parser, reasoning_keep_ids, speaks_harmony = None, (), False
         rendered_at = 0.0
 
         def render_prompt(self, messages, tools=None, images=None, arrived_at=None,

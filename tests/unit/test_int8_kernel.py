@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from handler.engine.model import kernels
-from handler.engine.model.linear import Int8DynamicLinear, _cpu_flags, _split_int8_linear
+from handler.engine.model.linear import Int8DynamicLinear, _split_int8_linear
 
-pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="the kernel needs AVX2 and FMA")
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= kernels.cpu_flags(), reason="the kernel needs AVX2 and FMA")
 
 # (out, in): the embedded model's four projections and its head's width, odd sizes (tails of the 32-wide loop and
 # of the 8-channel thread blocks), and an input wide enough for integer sums past 2^24
@@ -53,13 +53,13 @@ def test_kernel_gives_the_torch_paths_bits(kernel, out_features: int, in_feature
 def test_a_row_alone_and_beside_others(kernel) -> None:
     generator = torch.Generator().manual_seed(3)
     layer = Int8DynamicLinear(torch.randn(3072, 576, generator=generator) * 0.05, None, split=True)
-    batch = rows_with_outliers(kernels.MAX_ROWS, 576, generator)
+    batch = rows_with_outliers(kernels.KERNEL_ROWS, 576, generator)
     together = layer(batch)
-    for row in range(kernels.MAX_ROWS):
+    for row in range(kernels.KERNEL_ROWS):
         assert torch.equal(layer(batch[row:row + 1]), together[row:row + 1])
     # and beyond the kernel's rows, through fbgemm: the same numbers
     wide = torch.cat([batch, rows_with_outliers(9, 576, generator)])
-    assert torch.equal(layer(wide)[:kernels.MAX_ROWS], together)
+    assert torch.equal(layer(wide)[:kernels.KERNEL_ROWS], together)
 
 
 def test_constant_and_tiny_rows(kernel) -> None:

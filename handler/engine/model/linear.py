@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from handler.config import INT8_SITES
-from handler.engine.model.kernels import MAX_ROWS, int8_kernel
+from handler.engine.model.kernels import KERNEL_ROWS, cpu_flags, int8_kernel
 
 
 class DenseLinear:
@@ -49,11 +49,11 @@ class Int8DynamicLinear:
         """``levels``: 128 or 256, this CPU's (``activation_levels``) when None."""
         self.split = split
         self.levels = 128 if split else levels or activation_levels()
-        self.packed, self.row_sums = _pack(weight)
+        int8, scales = _quantise_weight(weight)
+        self.packed, self.row_sums = _pack_int8(int8, scales)
         # the split path's few-row kernel (``kernels``) reads the int8 weights as they are, with their scales
         self.kernel = int8_kernel() if split and weight.device.type == "cpu" else None
         if self.kernel is not None:
-            int8, scales = _quantise_weight(weight)
             self.int8, self.scales = int8, scales.double().float()
             self.col_sums = int8.sum(dim=1, dtype=torch.int32)
         self.bias = None if bias is None else bias.float()
@@ -64,7 +64,7 @@ class Int8DynamicLinear:
         self.exact = _exact_weights(weight) if self.levels == 256 and not full_range_is_exact() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.shape[0] <= MAX_ROWS:
+        if self.kernel is not None and x.shape[0] <= KERNEL_ROWS:
             return self.kernel.split_linear(x.contiguous(), self.int8, self.col_sums, self.scales, self.row_sums,
                                             self.bias)
         if self.split:
@@ -87,8 +87,13 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
     """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
     centre term ``c * rowsum(W)`` matches the integer product exactly."""
-    int8, scales = _quantise_weight(weight)
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    return _pack_int8(*_quantise_weight(weight))
+
+
+def _pack_int8(int8: torch.Tensor,
+               scales: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
+    """``_pack`` of weights already quantised."""
+    zero_points = torch.zeros(int8.shape[0], dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
         qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
@@ -200,7 +205,7 @@ def _full_range_is_exact() -> bool:
 def describe_cpu(split: frozenset[str] | None = None) -> str:
     """One line for the start-up log: the CPU features that decide the int8 kernel, the path chosen, and (given)
     the layers whose activations are split into 14 bits."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f in flags]
     levels = activation_levels()
     emulated = " (computed exactly in float64: this CPU's kernel would saturate them; slow)" if (
@@ -208,19 +213,11 @@ def describe_cpu(split: frozenset[str] | None = None) -> str:
     head = (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
             "fbgemm u8*s8->s32, ")
     row_bits = f"{'8' if levels == 256 else '7'}-bit per-row activations on an exact grid{emulated}"
+    kernel = (f"; split layers take up to {KERNEL_ROWS} rows through our AVX2 kernel" if split and int8_kernel()
+              else "")
     if split is None:
         return head + row_bits
     if split >= set(INT8_SITES):
-        return head + "14-bit per-row activations (two 7-bit halves: the same integers on every CPU) in every layer"
-    return head + f"{row_bits}; 14-bit (two 7-bit halves) into: {', '.join(sorted(split)) or 'none'}"
-
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in open("/proc/cpuinfo", encoding="ascii", errors="replace"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+        return (head + "14-bit per-row activations (two 7-bit halves: the same integers on every CPU) in every layer"
+                + kernel)
+    return head + f"{row_bits}; 14-bit (two 7-bit halves) into: {', '.join(sorted(split)) or 'none'}{kernel}"

@@ -7,19 +7,17 @@
  * multiply-add, which torch's CPU kernel contracts: checked bit for bit in tests/unit/test_int8_kernel.py). The
  * integer product W·h is exact on both sides, so it does not matter that fbgemm blocks its sums differently.
  *
- * Built by kernels.py with -O3 -mavx2 -mfma -ffp-contract=off (no contraction but the explicit fmaf); loaded with
- * ctypes. Threads: a persistent pool splits the output channels (each channel's sum is computed whole by one
- * thread, so the result does not depend on the thread count).
+ * Built by kernels.py with -O3 -mavx2 -mfma -ffp-contract=off (no contraction but the explicit fmaf) and -fopenmp;
+ * loaded with ctypes after torch, so its libgomp.so.1 is torch's and the output channels are split over torch's own
+ * OpenMP threads (a second pool spinning beside torch's made a step slower). Each channel's sum is computed whole by
+ * one thread, so the result does not depend on the thread count.
  */
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAX_ROWS 8
-#define MAX_THREADS 64
 
 typedef struct {
     const int8_t *weight;     /* [n, k] */
@@ -86,49 +84,6 @@ static void run_channels(const job_t *job, int first, int last) {
     }
 }
 
-/* ---- a small persistent thread pool: workers spin briefly on a generation counter, then sleep on a condvar ---- */
-
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
-static atomic_int generation, pending;
-static int num_workers;
-static const job_t *current;
-static int spans[MAX_THREADS + 1];
-
-static void *worker(void *arg) {
-    const int index = (int)(intptr_t)arg;
-    int seen = 0;
-    for (;;) {
-        int spins = 0;
-        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
-            if (++spins < 20000) {
-                _mm_pause();
-                continue;
-            }
-            pthread_mutex_lock(&pool_lock);
-            while (atomic_load_explicit(&generation, memory_order_acquire) == seen)
-                pthread_cond_wait(&pool_wake, &pool_lock);
-            pthread_mutex_unlock(&pool_lock);
-        }
-        seen = atomic_load_explicit(&generation, memory_order_acquire);
-        run_channels(current, spans[index + 1], spans[index + 2]);
-        atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
-    }
-    return NULL;
-}
-
-/* threads: how many share each call (the caller's thread and threads - 1 workers); returns the number in use */
-int int8_gemv_threads(int threads) {
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    while (num_workers < threads - 1) {
-        pthread_t thread;
-        if (pthread_create(&thread, NULL, worker, (void *)(intptr_t)num_workers) != 0) break;
-        pthread_detach(thread);
-        num_workers++;
-    }
-    return num_workers + 1;
-}
-
 /* Per row: the 14-bit grid (step, centre) and the two 7-bit halves of each activation, as linear.py computes them */
 static void quantise_rows(const float *x, int rows, int k, uint8_t *codes, float *step, float *centre) {
     for (int r = 0; r < rows; r++) {
@@ -165,21 +120,9 @@ int int8_split_linear(const float *x, int rows, int k, const int8_t *weight, con
     float step[MAX_ROWS], centre[MAX_ROWS];
     quantise_rows(x, rows, k, codes, step, centre);
     job_t job = {weight, col_sums, scales, row_sums, bias, codes, step, centre, y, rows, n, k};
-    const int threads = num_workers + 1;
-    /* channels in blocks of 8 per thread, so each thread's slice of the weights is contiguous */
+    /* channels in blocks of 8, statically over torch's own OpenMP threads */
     const int blocks = (n + 7) / 8;
-    for (int t = 0; t <= threads; t++) spans[t] = (int)((long)blocks * t / threads) * 8;
-    spans[threads] = n;
-    for (int t = 0; t <= threads; t++) spans[t] = spans[t] > n ? n : spans[t];
-    if (threads > 1) {
-        current = &job;
-        atomic_store_explicit(&pending, threads - 1, memory_order_release);
-        pthread_mutex_lock(&pool_lock);
-        atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
-        pthread_cond_broadcast(&pool_wake);
-        pthread_mutex_unlock(&pool_lock);
-    }
-    run_channels(&job, spans[0], spans[1]);
-    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+#pragma omp parallel for schedule(static) if (blocks > 8)
+    for (int b = 0; b < blocks; b++) run_channels(&job, b * 8, b * 8 + 8 < n ? b * 8 + 8 : n);
     return 0;
 }
