@@ -4,8 +4,8 @@ transforms the model's Linear layers carry since load, and applied to a step's r
 Why this shape: one base model serves every adapter. Each targeted Linear computes its base output for all rows
 once (int8 or dense), then adds ``(x @ A) @ B * scale`` to the rows of each adapter group, so a step mixes
 adapters and the base model and never copies a model per adapter (punica / S-LoRA's idea, without their kernels).
-Each group's delta is computed from that group's rows only, and each row's by a matmul of one row
-(``torch.bmm`` over ``[1, in]`` problems), so a row's output does not depend on the rows beside it.
+Each row's delta is two bag sums of ``embedding_bag`` over its own adapter's tables, all adapters of a site in one
+call, so a row's output does not depend on the rows beside it (``lora_delta``'s doc says why).
 
 What the model folded into its weights at load, an adapter must follow: the attention scale in the query rows,
 granite's residual multiplier in ``out`` and ``down``, and int8's SmoothQuant factors (each Linear's input divided
@@ -19,12 +19,13 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.model.lora_delta import AdapterBatch, bag_delta
 from handler.errors import BadRequest
 
 # PEFT's module names -> (our fused site, which part of it, in order; None: the whole site, a projection the
@@ -78,14 +79,6 @@ class AdapterWeights:
     num_bytes: int = 0
 
 
-@dataclass(slots=True)
-class AdapterBatch:
-    """The rows of the step being run, by adapter (rows of the base model are in no group); set by the runner
-    around each forward, read by every ``LoraLinear``."""
-
-    groups: list[tuple[AdapterWeights, torch.Tensor]] = field(default_factory=list)
-
-
 class LoraLinear:
     """A Linear of the model plus the deltas of the adapters in the step (module doc)."""
 
@@ -94,18 +87,10 @@ class LoraLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [rows, out]
-        for adapter, rows in self.batch.groups:
-            delta = adapter.deltas[self.layer].get(self.site)
-            if delta is not None:
-                y.index_add_(0, rows, row_delta(x.index_select(0, rows), delta))
+        if self.batch.groups:
+            for plan in self.batch.plans(self.layer, self.site):
+                y.index_add_(0, plan.rows, bag_delta(x.index_select(0, plan.rows), plan))
         return y
-
-
-def row_delta(x: torch.Tensor, delta: SiteDelta) -> torch.Tensor:
-    """``(x @ A) @ B`` for rows ``x`` ``[n, in]`` -> ``[n, out]``, each row a matmul of its own (batch invariance)."""
-    n = x.shape[0]
-    h = torch.bmm(x.unsqueeze(1), delta.a.expand(n, -1, -1))        # [n, 1, rank]
-    return torch.bmm(h, delta.b.expand(n, -1, -1)).squeeze(1)       # [n, out]
 
 
 def enable_adapters(model) -> AdapterBatch:

@@ -171,7 +171,7 @@ class ModelRunner:
         batch = self.model.adapter_batch
         if batch is None or plan is None:
             if batch is not None:
-                batch.groups = []
+                batch.set_groups([])
             return
         owners = list(plan.decode) + [s for s, drafts, _first in verify_rows for _ in range(1 + len(drafts))]
         owners += [s for s, _start, length in plan.prefill for _ in range(length)]
@@ -180,8 +180,7 @@ class ModelRunner:
             adapter = sequence.request.adapter
             if adapter is not None:
                 rows.setdefault(id(adapter), (adapter, []))[1].append(row)
-        device = self.model.device
-        batch.groups = [(adapter, torch.tensor(r, dtype=torch.long, device=device)) for adapter, r in rows.values()]
+        batch.set_groups(list(rows.values()), self.model.device)
 
     def _add_verify_rows(self, plan: StepPlan, tokens: list[int], positions: list[int],
                          decode_groups: list) -> list[tuple[Sequence, tuple[int, ...], int]]:
