@@ -78,19 +78,21 @@ class StepLoop:
 
     def warm_up(self, generates: bool = True) -> None:
         """Two generations before /ping says ready (an encoder: one embedding): one shaped like a lone chat request
-        (the shared template prefix copied in, a short prefill, one decoding row), then one like the largest step (a
-        full prefill chunk, then every slot decoding).
+        (the shared template prefix copied in, a short prefill, one decoding row), then one with every slot decoding
+        after a prefill: on CUDA a full prefill chunk (the largest step), on CPU short prompts.
 
-        The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape), and the
-        allocator already holds the largest working set. It is also the start's check that the model can serve at
-        all: a warm-up generation that ends in an error (a forward that raises, non-finite logits) raises
+        The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape, and the
+        allocator then holds the largest working set; on CPU nothing is shape-specific, and a 128-token prompt in
+        every slot cost the start 2 s of its 13 on the embedded model). It is also the start's check that the model
+        can serve at all: a warm-up generation that ends in an error (a forward that raises, non-finite logits) raises
         ``WarmUpFailed`` with the reason, so a model that would fail every request never says it is ready.
         """
         if not generates:  # an encoder: one embedding instead
             self.runner.embed([tuple(range(1, 9))], self.pooling)
             return
         prefix = self.runner.prefix_ids
-        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
+        largest = getattr(self.runner, "device", None) is not None and self.runner.device.type != "cpu"
+        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128 if largest else 8)
         shapes = [(prefix + tuple(range(1, 9)), 1), (tuple(range(1, prompt_length + 1)), self.limits.max_running)]
         for prompt_ids, n in shapes:
             if len(prompt_ids) + 4 > self.limits.max_model_len:

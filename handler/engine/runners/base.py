@@ -72,6 +72,7 @@ class Runner(Protocol):
 
     space: object                      # the KV space the scheduler places sequences in (``fits``, ``place``, ...)
     prefix_ids: tuple[int, ...]        # a prefix most prompts share, computed once (empty: none)
+    device: torch.device               # where the model runs
 
     def run(self, plan: StepPlan) -> StepOutput: ...
 

@@ -37,6 +37,10 @@ class ModelRunner:
         self.num_prefix_queries = 0   # prompt tokens admitted, and how many of them came from a cached prefix
         self.num_prefix_hits = 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def set_shared_prefix(self, prefix_ids: list[int]) -> None:
         """Compute once the KV of a prefix most prompts share (the chat template's opening and default system
         prompt, often shorter than a block); prompts that start with it copy it into their slot."""
