@@ -100,6 +100,13 @@ check("stream lines are JSON", len(records) >= 2, f"{len(records)} lines")
 check("stream last line", isinstance(records[-1].get("generated_text"), str), json.dumps(records[-1]))
 PY
 
+# the int8 decode kernel the image built in its own stage is the one serving (on a CPU with AVX2 and FMA)
+if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+  logs=$(podman logs "$cid" 2>&1)
+  grep -q "through our AVX2 kernel" <<<"$logs" || fail "the start log does not say the int8 decode kernel runs"
+  step "int8 decode kernel: in use"
+fi
+
 t=$(now)
 podman stop -t 30 "$cid" >/dev/null || fail "podman stop failed"
 code=$(podman inspect "$cid" --format '{{.State.ExitCode}}')

@@ -5,6 +5,7 @@ what the prompt layer renders with (``core.tokenizer.PromptParts``). ``options_f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -23,11 +24,11 @@ from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.lean.draft import DraftModel
 from handler.engine.lean.engine import LoadedModel
 from handler.engine.lean.speculate import NgramDrafter, Speculation
-from handler.engine.model import vision
+from handler.engine.model import packed, vision
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.family import load_state_dict, read_config
 from handler.engine.model.kv_cache import whole_blocks
-from handler.engine.model.linear import describe_cpu
+from handler.engine.model.linear import activation_levels, describe_cpu
 from handler.engine.model.lora import enable_adapters, load_adapter
 from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
@@ -199,10 +200,11 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
                               name="tokenizer-load", daemon=True)
     loader.start()
     device = torch.device(options.device)
-    model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
-    if options.quantize:
-        _quantize(model, calibration_ids(options.model_dir, loader, result), options)
-        log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
+    with _sharing_cores(loader):
+        model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
+        if options.quantize:
+            _quantize(model, options.model_dir, lambda: calibration_ids(options.model_dir, loader, result), options)
+            log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
     loader.join()
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
@@ -221,6 +223,20 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
                          embedding=decoder_pooling(options.model_dir, encoder is not None),
                          speculation=load_speculation(options, model, runner))
     return loaded, PromptParts(tokenizer, encoder)
+
+
+@contextlib.contextmanager
+def _sharing_cores(loader: threading.Thread):
+    """While the tokenizer thread imports and loads (CPU-bound Python), the weights load on one fewer torch thread:
+    a team of as many OpenMP threads as cores, one of them waiting for the core the tokenizer thread holds, made
+    the two together take 7.9 s where each alone took 3.5 s (the embedded model, 2 cores)."""
+    threads = torch.get_num_threads()
+    if threads > 1 and loader.is_alive():
+        torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def adapter_store(model: DecoderModel, lora: LoraOptions | None) -> AdapterStore | None:
@@ -256,7 +272,7 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
                                f"{error}") from None
     draft = DecoderModel(folder, dtype=model.dtype, device=model.device, config=config)
     if options.quantize:  # the draft's tokenizer.json is the model's (checked above)
-        _quantize(draft, calibration_ids(folder, None, {}), options)
+        _quantize(draft, folder, lambda: calibration_ids(folder, None, {}), options)
     # the draft's cache may take the share of the target's budget its tokens' size is of the target's
     budget = runner.space.budget * draft.kv_bytes_per_token() // model.kv_bytes_per_token()
     log.info("speculative decoding: draft model %s, %d tokens a step, KV budget %.0f MiB", folder.name, spec.length,
@@ -265,10 +281,29 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
                        spec.length, "draft model")
 
 
-def _quantize(model: DecoderModel, calibration: list[int], options: LoadOptions) -> None:
-    """int8 as option.int8_split says, smoothed on the calibration tokens (the model's, and a draft's)."""
-    smooth_and_quantize(model, calibrate(model, calibration),
-                        SPLIT if options.int8_split is None else options.int8_split)
+def _quantize(model: DecoderModel, model_dir: Path, calibration: Callable[[], list[int]],
+              options: LoadOptions) -> None:
+    """int8 as option.int8_split says, smoothed on the calibration tokens (the model's, and a draft's): read from the
+    form an earlier start wrote (``packed``), else computed and written for the next start."""
+    split = SPLIT if options.int8_split is None else options.int8_split
+    if not packed.supports(model):
+        smooth_and_quantize(model, calibrate(model, calibration()), split)
+        return
+    levels = activation_levels()
+    path = packed.path_for(model_dir, split, levels)
+    if path.is_file():
+        try:
+            packed.load(model, path, split, levels)
+            log.info("int8: read the quantised model written by an earlier start (%s)", path)
+            return
+        except Exception as error:  # a damaged file: compute it again and replace it
+            log.warning("int8: %s could not be read (%s); quantising again", path, error)
+    smooth_and_quantize(model, calibrate(model, calibration()), split)
+    try:
+        packed.save(model, path)
+        log.info("int8: quantised model written for later starts (%s)", path)
+    except OSError as error:
+        log.warning("int8: the quantised model could not be kept for later starts (%s)", error)
 
 
 def check_same_vocabulary(model_dir: Path, draft_dir: Path) -> None:

@@ -47,21 +47,40 @@ class Int8DynamicLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
                  levels: int | None = None) -> None:
         """``levels``: 128 or 256, this CPU's (``activation_levels``) when None."""
+        self._setup(*_quantise_weight(weight), bias, split, levels)
+
+    @classmethod
+    def from_int8(cls, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
+                  levels: int | None = None) -> Int8DynamicLinear:
+        """The layer of weights already quantised (``int8_weight``'s pair, as ``packed`` keeps them)."""
+        layer = cls.__new__(cls)
+        layer._setup(int8, scales, bias, split, levels)
+        return layer
+
+    def _setup(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool,
+               levels: int | None) -> None:
         self.split = split
         self.levels = 128 if split else levels or activation_levels()
-        int8, scales = _quantise_weight(weight)
         self.packed, self.row_sums = _pack_int8(int8, scales)
         # the split path's few-row kernel (``kernels``) reads the int8 weights as they are, with their scales
-        self.kernel = int8_kernel() if split and weight.device.type == "cpu" else None
+        self.kernel = int8_kernel() if split and int8.device.type == "cpu" else None
         if self.kernel is not None:
             self.int8, self.scales = int8, scales.double().float()
             self.col_sums = int8.sum(dim=1, dtype=torch.int32)
         self.bias = None if bias is None else bias.float()
-        self.sentinel = torch.zeros(weight.shape[1])
+        self.sentinel = torch.zeros(int8.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
         # 8-bit activations asked for on a CPU whose kernel would saturate them: the same numbers, computed exactly
         # from the int8 weights in float64 (``_exact_int8_linear``), slowly
-        self.exact = _exact_weights(weight) if self.levels == 256 and not full_range_is_exact() else None
+        self.exact = (int8.double().T.contiguous(), scales.double().float()) if (
+            self.levels == 256 and not full_range_is_exact()) else None
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weights ``[out, in]`` and their fp32 per-channel scales."""
+        if self.kernel is not None:
+            return self.int8, self.scales
+        weight, _bias = torch.ops.quantized.linear_unpack(self.packed)
+        return weight.int_repr(), weight.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.shape[0] <= KERNEL_ROWS:

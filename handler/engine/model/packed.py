@@ -1,0 +1,129 @@
+"""The int8 model as load computes it, written once and read back at later starts: calibration and quantisation run
+once per model folder and settings, not at every start (issue #32: scale-out time is start-up time).
+
+What is kept: each layer's smoothed norms, every int8 Linear's int8 weights, scales and bias, the folds adapters
+follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quantize`` changes. The rest of the model
+(embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is safetensors,
+memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own layout, per CPU).
+
+Where: beside the model (``<folder>/.int8/``) when the folder is writable, which covers the embedded model and a
+download; else in ``LLM_INT8_CACHE`` or the user's cache (a read-only ``/opt/ml/model``). The file's name is a digest
+of what decides its contents: the checkpoint's files (name, size, modification time), the split sites and
+activation levels, and the source of the code that computes it, so a changed model, setting or algorithm never
+reads a stale file. Written to a temporary name and renamed, so a start killed mid-write leaves no partial file.
+
+Dense decoders only: an MoE layer's experts and router are quantised at every start (``supports``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from handler.engine.model import decoder, family, linear, quantize
+from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.moe import GatedMLP
+
+log = logging.getLogger(__name__)
+
+FORMAT = "1"
+SITES = ("qkv", "out", "mlp.gate_up", "mlp.down")
+NORMS = ("input_norm", "post_norm")
+_SOURCES = (quantize.__file__, linear.__file__, family.__file__, decoder.__file__, __file__)
+
+
+def supports(model: decoder.DecoderModel) -> bool:
+    """Whether the model's int8 form can be kept: a dense decoder (an MoE's experts are quantised at each start)."""
+    return all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
+
+
+def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
+    digest = hashlib.sha256(f"{FORMAT}|{sorted(split)}|{levels}".encode())
+    for source in _SOURCES:
+        digest.update(Path(source).read_bytes())
+    for file in sorted(model_dir.iterdir()):
+        if file.is_file() and (file.suffix == ".safetensors" or file.name == "config.json"):
+            stat = file.stat()
+            digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    name = f"{digest.hexdigest()[:24]}.safetensors"
+    if os.access(model_dir, os.W_OK):
+        return model_dir / ".int8" / name
+    home = Path(os.environ.get("LLM_INT8_CACHE", Path.home() / ".cache" / "sagemaker-llm" / "int8"))
+    return home / f"{hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]}-{name}"
+
+
+def save(model: decoder.DecoderModel, path: Path) -> None:
+    """Write the quantised parts of ``model`` (after ``smooth_and_quantize``) to ``path``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(name: str, value: torch.Tensor | float | None) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.detach().contiguous()
+        elif value is not None:
+            tensors[name + ".float"] = torch.tensor(float(value), dtype=torch.float64)
+
+    def put_linear(name: str, layer: Int8DynamicLinear) -> None:
+        int8, scales = layer.int8_weight()
+        put(f"{name}.int8", int8)
+        put(f"{name}.scales", scales)
+        put(f"{name}.bias", layer.bias)
+
+    for index, layer in enumerate(model.layers):
+        for norm in NORMS:
+            put(f"{index}.{norm}", getattr(layer, norm))
+        for site in SITES:
+            put_linear(f"{index}.{site}", _site(layer, site))
+        for site, (inputs, outputs) in layer.folds.items():
+            put(f"{index}.folds.{site}.input", inputs)
+            put(f"{index}.folds.{site}.output", outputs)
+    put_linear("lm_head", model.lm_head)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
+    os.close(handle)
+    try:
+        save_file(tensors, partial, metadata={"format": FORMAT})
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels: int) -> None:
+    """Give ``model`` (built from its checkpoint, not yet quantised) the int8 form written by ``save``."""
+    with safe_open(str(path), framework="pt") as file:
+        names = set(file.keys())
+
+        def get(name: str) -> torch.Tensor | float | None:
+            if name in names:
+                return file.get_tensor(name)
+            if name + ".float" in names:
+                return float(file.get_tensor(name + ".float"))
+            return None
+
+        def get_linear(name: str, site: str) -> Int8DynamicLinear:
+            return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
+                                               split=site in split, levels=levels)
+
+        for index, layer in enumerate(model.layers):
+            for norm in NORMS:
+                setattr(layer, norm, get(f"{index}.{norm}"))
+            layer.qkv = get_linear(f"{index}.qkv", "qkv")
+            layer.out = get_linear(f"{index}.out", "out")
+            layer.mlp = GatedMLP(get_linear(f"{index}.mlp.gate_up", "gate_up"),
+                                 get_linear(f"{index}.mlp.down", "down"), layer.mlp.activation)
+            sites = {name.split(".")[2] for name in names if name.startswith(f"{index}.folds.")}
+            layer.folds = {site: (get(f"{index}.folds.{site}.input"), get(f"{index}.folds.{site}.output"))
+                           for site in sites}
+        model.lm_head = get_linear("lm_head", "lm_head")
+
+
+def _site(layer: family.Layer, site: str) -> Int8DynamicLinear:
+    owner, _, name = site.rpartition(".")
+    return getattr(layer.mlp if owner == "mlp" else layer, name)

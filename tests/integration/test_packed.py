@@ -1,0 +1,115 @@
+"""The quantised model an earlier start wrote (``handler.engine.model.packed``) serves the same numbers as one
+quantised at load: every logit bit for bit, prefill and decode; the file is found again only for the same
+checkpoint, split sites and activation levels; a read-only model folder keeps it in the user's cache; a damaged
+file is computed again."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from handler.engine.lean import load as lean_load
+from handler.engine.model import packed
+from handler.engine.model.decoder import DecoderModel
+from handler.engine.model.layout import build_layout
+from handler.engine.model.linear import activation_levels
+from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """The embedded model's files, linked into a folder of the test's own (the cache is written beside them)."""
+    target = tmp_path / "model"
+    target.mkdir()
+    for file in MODEL_DIR.iterdir():
+        if file.is_file():
+            (target / file.name).symlink_to(file)
+    return target
+
+
+def calibration() -> list[int]:
+    return Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).encode(CALIBRATION_TEXT).ids
+
+
+def logits(model: DecoderModel) -> torch.Tensor:
+    """A 40-token prefill then three decode steps, every step's last logits."""
+    ids = calibration()[:40]
+    cache = model.new_cache(1, 128)
+    cache.ensure(1, 128)
+    groups = model.shape.num_heads // model.shape.num_kv_heads
+    out = [model.forward(torch.tensor(ids), torch.arange(len(ids)), build_layout([], [(0, 0, len(ids))], groups,
+                                                                                 model.device),
+                         cache, torch.tensor([len(ids) - 1]))]
+    for position in range(len(ids), len(ids) + 3):
+        out.append(model.forward(torch.tensor([int(out[-1].argmax())]), torch.tensor([position]),
+                                 build_layout([position], [], groups, model.device), cache, torch.tensor([0])))
+    return torch.cat(out)
+
+
+def fresh(folder: Path) -> DecoderModel:
+    return DecoderModel(folder, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
+    levels = activation_levels()
+    computed = fresh(folder)
+    smooth_and_quantize(computed, calibrate(computed, calibration()), SPLIT)
+    path = packed.path_for(folder, SPLIT, levels)
+    assert path.parent == folder / ".int8"
+    packed.save(computed, path)
+    read = fresh(folder)
+    packed.load(read, path, SPLIT, levels)
+    assert torch.equal(logits(read), logits(computed))
+    for mine, theirs in zip(read.layers, computed.layers, strict=True):
+        assert torch.equal(mine.input_norm, theirs.input_norm) and torch.equal(mine.post_norm, theirs.post_norm)
+        assert mine.folds.keys() == theirs.folds.keys()
+
+
+def test_the_file_is_found_only_for_the_same_model_and_settings(folder: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    first = packed.path_for(folder, SPLIT, 128)
+    assert packed.path_for(folder, SPLIT, 128) == first
+    assert packed.path_for(folder, frozenset({"down"}), 128) != first
+    assert packed.path_for(folder, frozenset({"down"}), 256) != packed.path_for(folder, frozenset({"down"}), 128)
+    config = folder / "config.json"
+    config.unlink()
+    config.write_text((MODEL_DIR / "config.json").read_text() + "\n")  # the same model, a rewritten file
+    assert packed.path_for(folder, SPLIT, 128) != first
+    # a folder this process cannot write (SageMaker's /opt/ml/model; the tests run as root, who writes anywhere, so
+    # the permission check answers as it would there)
+    monkeypatch.setenv("LLM_INT8_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(packed.os, "access", lambda path, mode: Path(path) != folder)
+    assert packed.path_for(folder, SPLIT, 128).parent == tmp_path / "cache"
+
+
+def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
+    caplog.set_level(logging.INFO, logger=lean_load.__name__)
+    first = fresh(folder)
+    lean_load._quantize(first, folder, calibration, options)
+    assert "written for later starts" in caplog.text
+    caplog.clear()
+    second = fresh(folder)
+    lean_load._quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"), options)
+    assert "read the quantised model" in caplog.text
+    assert torch.equal(logits(first), logits(second))
+
+
+def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
+    path = packed.path_for(folder, SPLIT, activation_levels())
+    path.parent.mkdir()
+    path.write_bytes(b"not safetensors")
+    model = fresh(folder)
+    lean_load._quantize(model, folder, calibration, options)
+    assert "could not be read" in caplog.text
+    reference = fresh(folder)
+    smooth_and_quantize(reference, calibrate(reference, calibration()), SPLIT)
+    assert torch.equal(logits(model), logits(reference))
+    packed.load(fresh(folder), path, SPLIT, activation_levels())  # replaced by a good one
