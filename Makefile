@@ -15,9 +15,10 @@ test:  ## the whole suite (installs and assembles what it needs)
 venv:
 	bash ci/install.sh
 
-model: venv  ## assemble the embedded default model and build the int8 decode kernel (idempotent)
+model: venv  ## assemble the embedded default model, build the int8 decode kernel, write its int8 form (idempotent)
 	$(PY) -m handler.assemble_model $(MODEL)
 	$(PY) handler/engine/model/kernels/build.py
+	$(PY) -m handler.engine.model.packed $(MODEL)
 
 bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run

@@ -8,7 +8,7 @@ memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (
 
 Where: beside the model (``<folder>/.int8/``) when the folder is writable, which covers the embedded model and a
 download; else in ``LLM_INT8_CACHE`` or the user's cache (a read-only ``/opt/ml/model``). The file's name is a digest
-of what decides its contents: the checkpoint's files (name, size, modification time), the split sites and
+of what decides its contents: the folder's files (name, size, modification time), the split sites and
 activation levels, and the source of the code that computes it, so a changed model, setting or algorithm never
 reads a stale file. Written to a temporary name and renamed, so a start killed mid-write leaves no partial file.
 
@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from handler.config import INT8_SITES
 from handler.engine.model import decoder, family, linear, quantize
 from handler.engine.model.linear import Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
@@ -45,11 +46,15 @@ def supports(model: decoder.DecoderModel) -> bool:
 
 
 def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
+    """Where the int8 form of this folder under these settings is kept. ``levels`` counts only where some site is
+    not split (split sites are 7-bit halves on every CPU), so an image prepared on one CPU serves on another."""
+    if split >= set(INT8_SITES):
+        levels = 0
     digest = hashlib.sha256(f"{FORMAT}|{sorted(split)}|{levels}".encode())
     for source in _SOURCES:
         digest.update(Path(source).read_bytes())
-    for file in sorted(model_dir.iterdir()):
-        if file.is_file() and (file.suffix == ".safetensors" or file.name == "config.json"):
+    for file in sorted(model_dir.iterdir()):  # weights, config, and the tokenizer calibration encodes with
+        if file.is_file():
             stat = file.stat()
             digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     name = f"{digest.hexdigest()[:24]}.safetensors"
@@ -89,6 +94,7 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
     os.close(handle)
     try:
         save_file(tensors, partial, metadata={"format": FORMAT})
+        os.chmod(partial, 0o644)  # (mkstemp's file is the writer's alone; the server may run as another user)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -127,3 +133,25 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
 def _site(layer: family.Layer, site: str) -> Int8DynamicLinear:
     owner, _, name = site.rpartition(".")
     return getattr(layer.mlp if owner == "mlp" else layer, name)
+
+
+def prepare(model_dir: Path) -> Path:
+    """Write the int8 form the default settings read (``make model``, the image build): the embedded model then
+    starts without calibrating."""
+    from tokenizers import Tokenizer
+
+    split, levels = quantize.SPLIT, linear.activation_levels()
+    path = path_for(model_dir, split, levels)
+    if not path.is_file():
+        model = decoder.DecoderModel(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+        ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(quantize.CALIBRATION_TEXT,
+                                                                            add_special_tokens=False).ids
+        quantize.smooth_and_quantize(model, quantize.calibrate(model, ids), split)
+        save(model, path)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(prepare(Path(sys.argv[1])))
