@@ -1,62 +1,19 @@
 """A thinking model's answer split through the real server (``python -m handler serve``: gunicorn, the lean engine,
-int8 as shipped), read by the unchanged openai SDK.
-
-Tiny random checkpoints cannot think, so this one is built to write one transcript: a tiny llama whose attention
-and MLP outputs are zero (each layer passes the residual through), so the logits depend on the current token only,
-and whose embeddings and output rows chain the transcript's tokens: the embedding of token a is a random direction
-u_a and the output row of the token that follows a is 5·u_a. Greedy decoding then walks the chain from the prompt's
-last token (``\\n`` of Qwen3's generation prompt) to ``<|im_end|>``. The tokenizer is the embedded one with Qwen3's
-``<think>`` / ``</think>`` added, the chat template Qwen3's real one (so the server detects ``qwen3`` itself).
+int8 as shipped), read by the unchanged openai SDK. The model is ``tests/thinking_model.py``'s chain llama: greedy
+decoding writes ``<think>The user asks about France.</think>Paris!`` with Qwen3's real chat template.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-
-TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
-TRANSCRIPT = "<think>The user asks about France.</think>Paris!"
-QUESTION = [{"role": "user", "content": "Capital of France?"}]
-
-
-def build_thinking_llama(path: Path) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    from tests.tiny_checkpoints import SMOLLM2_DIR, build_tiny
-
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
-    build_tiny(path, "llama", vocab_size=len(tokenizer))
-    tokenizer.chat_template = TEMPLATE.read_text()
-    tokenizer.save_pretrained(path)
-    (path / "chat_template.jinja").write_text(TEMPLATE.read_text())
-
-    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer.encode(TRANSCRIPT), tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain), "a token-only model can follow a chain of distinct tokens only"
-    tensors = load_file(path / "model.safetensors")
-    for name, value in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = torch.zeros_like(value)
-    head = torch.zeros_like(tensors["lm_head.weight"])
-    generator = torch.Generator().manual_seed(0)
-    for current, following in zip(chain, chain[1:], strict=False):
-        direction = torch.randn(head.shape[1], generator=generator)
-        direction /= direction.norm()
-        tensors["model.embed_tokens.weight"][current] = direction
-        head[following] = 5.0 * direction
-    tensors["lm_head.weight"] = head
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+from tests.thinking_model import QUESTION, TRANSCRIPT, build_thinking_llama
 
 
 @pytest.fixture(scope="module")
