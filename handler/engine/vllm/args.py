@@ -101,7 +101,9 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
     if reasoning_parser is None and settings.reasoning_parser not in ("auto", "none"):
         reasoning_parser = settings.reasoning_parser
     if reasoning_parser is not None:  # vLLM then applies grammars after the reasoning ends
-        kwargs["reasoning_parser"] = VLLM_REASONING_PARSERS[reasoning_parser]
+        # inside structured_outputs_config: AsyncEngineArgs' own reasoning_parser is copied onto that config as an
+        # attribute, which a dict has not (vLLM 0.32 failed to start with both: AttributeError)
+        kwargs["structured_outputs_config"]["reasoning_parser"] = VLLM_REASONING_PARSERS[reasoning_parser]
     if "vision_config" in model_config:  # vLLM sizes its encoder cache and start-up profile by this
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:
