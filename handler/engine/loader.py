@@ -48,7 +48,7 @@ def create_backend(settings: Settings, limits: EngineLimits, on_parts: PartsList
         backend = VllmBackend(lambda: prepare(settings, limits.max_model_len, on_parts), limits, admission, on_stats,
                               on_ready, on_failed)
         if settings.enable_lora:
-            backend.enable_adapters(settings.max_lora_rank)
+            backend.enable_adapters(settings.max_lora_rank, settings.model_dir)
         return backend
     check_lean_settings(settings)
     from handler.engine.lean.engine import Engine

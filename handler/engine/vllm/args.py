@@ -109,8 +109,9 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
     if settings.speculative_draft_model is not None:
         kwargs["speculative_config"] = speculative_config(settings)
     if settings.enable_lora:  # untested here (make test-vllm): vLLM's own names
-        kwargs.update(enable_lora=True, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
-                      max_cpu_loras=settings.max_loras)
+        # one slot more than option.max_loras: the weightless adapter base requests carry (``adapters``)
+        kwargs.update(enable_lora=True, max_loras=settings.max_loras + 1, max_lora_rank=settings.max_lora_rank,
+                      max_cpu_loras=settings.max_loras + 1)
     if is_encoder(model_config):
         kwargs.update(pooling_kwargs(settings))
     if tensor * pipeline > 1 and placement.device == "cpu":

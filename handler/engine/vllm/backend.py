@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -128,17 +129,17 @@ class VllmBackend:
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
 
-    def enable_adapters(self, max_rank: int) -> None:
-        """Serve LoRA adapters (option.enable_lora; vLLM was started with ``enable_lora``). Untested here."""
-        self._adapters = VllmAdapters(lambda: self._engine, lambda: self._loop, max_rank)
+    def enable_adapters(self, max_rank: int, model_dir: Path) -> None:
+        """Serve LoRA adapters (option.enable_lora; vLLM was started with ``enable_lora``)."""
+        self._adapters = VllmAdapters(lambda: self._engine, lambda: self._loop, max_rank, model_dir)
 
     @property
     def adapters(self) -> VllmAdapters | None:
         return self._adapters if self.is_ready else None
 
     def _resolve_adapter(self, request: GenerationRequest) -> object | None:
-        if request.adapter is None:
-            return None
+        if request.adapter is None:  # with adapters on, the base model runs under an adapter of no weights
+            return None if self._adapters is None else self._adapters.base_request()
         if self._adapters is None:
             raise NotFound(f"The adapter {request.adapter} was not found: this server serves no adapters "
                            "(option.enable_lora=true serves them)", param=request.adapter_param,

@@ -76,7 +76,7 @@ class BeamRunner:
         state.beams = search
         try:
             while not search.done:
-                search.step(await self._logprobs(request, search))
+                search.step(await self._logprobs(request, search, state.adapter))
                 self.num_sampled += request.beam.width
         except asyncio.CancelledError:  # cancelled, overdue or stopping: whoever cancelled ends the request
             raise
@@ -98,12 +98,13 @@ class BeamRunner:
                         self.limits.max_model_len)
         return True
 
-    async def _logprobs(self, request: GenerationRequest, search: BeamSearch | GroupBeamSearch) -> torch.Tensor:
+    async def _logprobs(self, request: GenerationRequest, search: BeamSearch | GroupBeamSearch,
+                        adapter: object | None) -> torch.Tensor:
         """The step's ``[width, vocab]`` rows: each beam's top logprobs, -inf elsewhere. At the first step every
-        beam is the prompt: one request, its row copied."""
+        beam is the prompt: one request, its row copied. ``adapter``: the LoRARequest the request runs under."""
         width = request.beam.width
         slots = [0] if search.length == 0 else list(range(width))
-        found = await asyncio.gather(*(self._top(request, search.tokens_of(slot) if search.length else [])
+        found = await asyncio.gather(*(self._top(request, search.tokens_of(slot) if search.length else [], adapter)
                                        for slot in slots))
         rows = torch.full((width, self._vocab_size), float("-inf"))
         for slot, entries in zip(slots, found, strict=True):
@@ -115,7 +116,7 @@ class BeamRunner:
             rows[:, sorted(search.ending_ids)] = float("-inf")
         return rows
 
-    async def _top(self, request: GenerationRequest, tokens: list[int]) -> dict[int, float]:
+    async def _top(self, request: GenerationRequest, tokens: list[int], adapter: object | None) -> dict[int, float]:
         """vLLM's top logprobs of the next token after the prompt and ``tokens``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -129,7 +130,7 @@ class BeamRunner:
         inputs = prompt_inputs(request)
         inputs["prompt_token_ids"] = inputs["prompt_token_ids"] + tokens
         outputs = self._engine.generate(TokensPrompt(**inputs), params,
-                                        f"{request.request_id}-beam-{next(self._ids)}")
+                                        f"{request.request_id}-beam-{next(self._ids)}", lora_request=adapter)
         last = None
         try:
             async for output in outputs:
