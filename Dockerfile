@@ -19,7 +19,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH \
-    LLM_KERNEL_CACHE=/opt/kernels
+    LLM_KERNEL_CACHE=/opt/kernels \
+    LLM_INT8_CACHE=/opt/int8
 
 # Python 3.11 from Debian, in a venv. (libgomp and friends ship inside the torch wheel.)
 RUN apt-get update -qq \

@@ -1,11 +1,12 @@
 """The quantised model an earlier start wrote (``handler.engine.model.packed``) serves the same numbers as one
 quantised at load: every logit bit for bit, prefill and decode; the file is found again only for the same
-checkpoint, split sites and activation levels; a read-only model folder keeps it in the user's cache; a damaged
-file is computed again."""
+checkpoint, split sites and activation levels, in the cache and never in the model folder; a damaged file is
+computed again."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,11 @@ from handler.engine.model.linear import activation_levels
 from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_INT8_CACHE", str(tmp_path / "int8-cache"))
 
 
 @pytest.fixture
@@ -61,7 +67,6 @@ def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
     computed = fresh(folder)
     smooth_and_quantize(computed, calibrate(computed, calibration()), SPLIT)
     path = packed.path_for(folder, SPLIT, levels)
-    assert path.parent == folder / ".int8"
     packed.save(computed, path)
     read = fresh(folder)
     packed.load(read, path, SPLIT, levels)
@@ -71,21 +76,17 @@ def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
         assert mine.folds.keys() == theirs.folds.keys()
 
 
-def test_the_file_is_found_only_for_the_same_model_and_settings(folder: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_file_is_found_only_for_the_same_model_and_settings(folder: Path, tmp_path: Path) -> None:
     first = packed.path_for(folder, SPLIT, 128)
+    assert first.parent == tmp_path / "int8-cache"  # never in the model folder (the user's; read-only on SageMaker)
     assert packed.path_for(folder, SPLIT, 128) == first
+    assert packed.path_for(folder, SPLIT, 256) == first  # split sites are the same integers on every CPU
     assert packed.path_for(folder, frozenset({"down"}), 128) != first
     assert packed.path_for(folder, frozenset({"down"}), 256) != packed.path_for(folder, frozenset({"down"}), 128)
     config = folder / "config.json"
     config.unlink()
     config.write_text((MODEL_DIR / "config.json").read_text() + "\n")  # the same model, a rewritten file
     assert packed.path_for(folder, SPLIT, 128) != first
-    # a folder this process cannot write (SageMaker's /opt/ml/model; the tests run as root, who writes anywhere, so
-    # the permission check answers as it would there)
-    monkeypatch.setenv("LLM_INT8_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(packed.os, "access", lambda path, mode: Path(path) != folder)
-    assert packed.path_for(folder, SPLIT, 128).parent == tmp_path / "cache"
 
 
 def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -104,7 +105,7 @@ def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixt
 def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
     options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
     path = packed.path_for(folder, SPLIT, activation_levels())
-    path.parent.mkdir()
+    path.parent.mkdir(parents=True)
     path.write_bytes(b"not safetensors")
     model = fresh(folder)
     lean_load._quantize(model, folder, calibration, options)
@@ -113,3 +114,14 @@ def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptur
     smooth_and_quantize(reference, calibrate(reference, calibration()), SPLIT)
     assert torch.equal(logits(model), logits(reference))
     packed.load(fresh(folder), path, SPLIT, activation_levels())  # replaced by a good one
+
+
+def test_the_cache_keeps_the_most_recently_used_files(folder: Path, tmp_path: Path) -> None:
+    model = fresh(folder)
+    smooth_and_quantize(model, calibrate(model, calibration()), SPLIT)
+    paths = [packed.path_for(folder, frozenset(sites), 128) for sites in
+             (SPLIT, {"down"}, {"qkv"}, {"out"}, {"gate_up"}, {"lm_head"})]
+    for index, path in enumerate(paths):
+        packed.save(model, path)
+        os.utime(path, (1000 + index, 1000 + index))  # written in this order
+    assert sorted(p.name for p in paths[0].parent.glob("*.safetensors")) == sorted(p.name for p in paths[2:])

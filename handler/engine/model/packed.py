@@ -6,8 +6,8 @@ follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quan
 (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is safetensors,
 memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own layout, per CPU).
 
-Where: beside the model (``<folder>/.int8/``) when the folder is writable, which covers the embedded model and a
-download; else in ``LLM_INT8_CACHE`` or the user's cache (a read-only ``/opt/ml/model``). The file's name is a digest
+Where: in ``LLM_INT8_CACHE`` (the image sets its own, prepared at build), else the user's cache, never in the model
+folder (it is the user's, and SageMaker mounts it read-only). The file's name is the folder's path digest and a digest
 of what decides its contents: the folder's files (name, size, modification time), the split sites and
 activation levels, and the source of the code that computes it, so a changed model, setting or algorithm never
 reads a stale file. Written to a temporary name and renamed, so a start killed mid-write leaves no partial file.
@@ -35,6 +35,7 @@ from handler.engine.model.moe import GatedMLP
 log = logging.getLogger(__name__)
 
 FORMAT = "1"
+KEEP = 4  # files the cache keeps (most recently used first)
 SITES = ("qkv", "out", "mlp.gate_up", "mlp.down")
 NORMS = ("input_norm", "post_norm")
 _SOURCES = (quantize.__file__, linear.__file__, family.__file__, decoder.__file__, __file__)
@@ -57,11 +58,9 @@ def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
         if file.is_file():
             stat = file.stat()
             digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    name = f"{digest.hexdigest()[:24]}.safetensors"
-    if os.access(model_dir, os.W_OK):
-        return model_dir / ".int8" / name
     home = Path(os.environ.get("LLM_INT8_CACHE", Path.home() / ".cache" / "sagemaker-llm" / "int8"))
-    return home / f"{hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]}-{name}"
+    folder = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
+    return home / f"{folder}-{digest.hexdigest()[:24]}.safetensors"
 
 
 def save(model: decoder.DecoderModel, path: Path) -> None:
@@ -99,10 +98,20 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    _prune(path.parent)
+
+
+def _prune(home: Path) -> None:
+    """Keep the ``KEEP`` most recently used files (a read touches its file): the cache is bounded whatever number of
+    folders or settings pass through it."""
+    files = sorted(home.glob("*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for stale in files[KEEP:]:
+        stale.unlink(missing_ok=True)
 
 
 def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels: int) -> None:
     """Give ``model`` (built from its checkpoint, not yet quantised) the int8 form written by ``save``."""
+    os.utime(path)  # recently used: kept by ``_prune``
     with safe_open(str(path), framework="pt") as file:
         names = set(file.keys())
 
