@@ -112,31 +112,31 @@ def _prune(home: Path) -> None:
 def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels: int) -> None:
     """Give ``model`` (built from its checkpoint, not yet quantised) the int8 form written by ``save``."""
     os.utime(path)  # recently used: kept by ``_prune``
-    with safe_open(str(path), framework="pt") as file:
-        names = set(file.keys())
+    with safe_open(str(path), framework="pt") as file:  # every tensor read before the model changes: a damaged
+        tensors = {name: file.get_tensor(name) for name in file.keys()}  # file leaves it as it was
 
-        def get(name: str) -> torch.Tensor | float | None:
-            if name in names:
-                return file.get_tensor(name)
-            if name + ".float" in names:
-                return float(file.get_tensor(name + ".float"))
-            return None
+    def get(name: str) -> torch.Tensor | float | None:
+        if name in tensors:
+            return tensors[name]
+        if name + ".float" in tensors:
+            return float(tensors[name + ".float"])
+        return None
 
-        def get_linear(name: str, site: str) -> Int8DynamicLinear:
-            return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
-                                               split=site in split, levels=levels)
+    def get_linear(name: str, site: str) -> Int8DynamicLinear:
+        return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
+                                           split=site in split, levels=levels)
 
-        for index, layer in enumerate(model.layers):
-            for norm in NORMS:
-                setattr(layer, norm, get(f"{index}.{norm}"))
-            layer.qkv = get_linear(f"{index}.qkv", "qkv")
-            layer.out = get_linear(f"{index}.out", "out")
-            layer.mlp = GatedMLP(get_linear(f"{index}.mlp.gate_up", "gate_up"),
-                                 get_linear(f"{index}.mlp.down", "down"), layer.mlp.activation)
-            sites = {name.split(".")[2] for name in names if name.startswith(f"{index}.folds.")}
-            layer.folds = {site: (get(f"{index}.folds.{site}.input"), get(f"{index}.folds.{site}.output"))
-                           for site in sites}
-        model.lm_head = get_linear("lm_head", "lm_head")
+    for index, layer in enumerate(model.layers):
+        for norm in NORMS:
+            setattr(layer, norm, get(f"{index}.{norm}"))
+        layer.qkv = get_linear(f"{index}.qkv", "qkv")
+        layer.out = get_linear(f"{index}.out", "out")
+        layer.mlp = GatedMLP(get_linear(f"{index}.mlp.gate_up", "gate_up"),
+                             get_linear(f"{index}.mlp.down", "down"), layer.mlp.activation)
+        sites = {name.split(".")[2] for name in tensors if name.startswith(f"{index}.folds.")}
+        layer.folds = {site: (get(f"{index}.folds.{site}.input"), get(f"{index}.folds.{site}.output"))
+                       for site in sites}
+    model.lm_head = get_linear("lm_head", "lm_head")
 
 
 def _site(layer: family.Layer, site: str) -> Int8DynamicLinear:
