@@ -7,7 +7,7 @@
  * multiply-add, which torch's CPU kernel contracts: checked bit for bit in tests/unit/test_int8_kernel.py). The
  * integer product W·h is exact on both sides, so it does not matter that fbgemm blocks its sums differently.
  *
- * Built by kernels.py with -O3 -mavx2 -mfma -ffp-contract=off (no contraction but the explicit fmaf) and -fopenmp;
+ * Built by build.py with -O3 -mavx2 -mfma -ffp-contract=off (no contraction but the explicit fmaf) and -fopenmp;
  * loaded with ctypes after torch, so its libgomp.so.1 is torch's and the output channels are split over torch's own
  * OpenMP threads (a second pool spinning beside torch's made a step slower). Each channel's sum is computed whole by
  * one thread, so the result does not depend on the thread count.
@@ -15,7 +15,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #define MAX_ROWS 8
 
