@@ -18,7 +18,7 @@ import signal
 import sys
 
 from handler.config import Settings, check_model_dir, is_remote
-from handler.download.progress import Progress
+from handler.download.progress import Progress, fetch_reported
 from handler.download.standby import Standby
 from handler.errors import ConfigError
 
@@ -30,12 +30,7 @@ def fetch_model(settings: Settings) -> Settings:
     source = remote_source(settings)
     progress = Progress(source.name)
     with Standby(settings.host, settings.port, lambda: progress.status) as standby, stop_on_sigterm(source.name):
-        try:
-            folder = source.fetch(progress)
-        except BaseException:
-            progress.done(completed=False)
-            raise
-        progress.done()
+        folder = fetch_reported(source, progress)
     offline_from_now()
     fetched = settings.model_copy(update={"model_id": str(folder), "port": standby.port,
                                           "served_model_name": settings.served_model_name or source.served_name})

@@ -33,7 +33,7 @@ def adapter_folder(src: str, settings: Settings) -> Path:
 
 
 def _fetch_s3(src: str, settings: Settings) -> Path:
-    from handler.download.progress import Progress
+    from handler.download.progress import Progress, fetch_reported
     from handler.download.s3 import NoCredentials, S3Source, Unreachable
 
     if not src[len("s3://"):].partition("/")[0]:
@@ -45,13 +45,7 @@ def _fetch_s3(src: str, settings: Settings) -> Path:
     try:
         with open(lock_path, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                folder = source.fetch(progress)
-            except BaseException:
-                progress.done(completed=False)
-                raise
-            progress.done()
-            return folder
+            return fetch_reported(source, progress)
     except ConfigError as error:
         message = f"src {src}: {str(error).removeprefix(source.name + ': ')}"
         kind: type[ServingError] = EngineError if isinstance(error, NoCredentials | Unreachable) else BadRequest

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 INTERVAL_S = 5.0
 
@@ -65,3 +66,14 @@ class Progress:
 
 def say(line: str) -> None:
     print(f"download: {line}", file=sys.stderr, flush=True)
+
+
+def fetch_reported(source, progress: Progress) -> Path:
+    """``source.fetch(progress)`` with the progress ended either way: completed, or not (a failure, SIGTERM)."""
+    try:
+        folder = source.fetch(progress)
+    except BaseException:
+        progress.done(completed=False)
+        raise
+    progress.done()
+    return folder
