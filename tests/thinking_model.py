@@ -20,6 +20,15 @@ TRANSCRIPT = "<think>The user asks about France.</think>Paris!"
 THINKING = "The user asks about France."
 ANSWER = "Paris!"
 QUESTION = [{"role": "user", "content": "Capital of France?"}]
+RAW_PROMPT = "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n"  # QUESTION, rendered
+
+
+def raw_completion(url: str, timeout: float) -> dict:
+    """The server's greedy completion of ``RAW_PROMPT`` on /v1/completions (no chat template, no reasoning split)."""
+    import requests
+
+    body = {"prompt": RAW_PROMPT, "max_tokens": 20, "temperature": 0}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=timeout).json()["choices"][0]
 
 
 def build_thinking_llama(path: Path, **overrides) -> Path:

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-import requests
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.thinking_model import QUESTION, TRANSCRIPT, build_thinking_llama
+from tests.thinking_model import QUESTION, TRANSCRIPT, build_thinking_llama, raw_completion
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +31,8 @@ def sdk(thinking_server: RunningServer) -> openai.OpenAI:
 
 def test_the_completions_route_returns_the_raw_transcript(thinking_server: RunningServer) -> None:
     """The model writes the transcript (checked raw, unsplit, where no split applies)."""
-    body = {"prompt": "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 20,
-            "temperature": 0}
-    answer = requests.post(f"{thinking_server.url}/v1/completions", json=body, timeout=120).json()
-    assert answer["choices"][0]["text"] == TRANSCRIPT and answer["choices"][0]["finish_reason"] == "stop"
+    choice = raw_completion(thinking_server.url, timeout=120)
+    assert choice["text"] == TRANSCRIPT and choice["finish_reason"] == "stop"
 
 
 def test_the_sdk_reads_reasoning_and_content(sdk: openai.OpenAI) -> None:

@@ -22,10 +22,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-import requests
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.thinking_model import ANSWER, QUESTION, THINKING, TRANSCRIPT, build_thinking_llama
+from tests.thinking_model import ANSWER, QUESTION, THINKING, TRANSCRIPT, build_thinking_llama, raw_completion
 
 CITIES = ["Lyon", "Nice"]  # not the model's own answer (Paris!)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}}, "required": ["city"],
@@ -53,10 +52,8 @@ def reasoning_of(message) -> tuple[str | None, str | None]:
 
 def test_vllm_walks_the_chain_to_the_raw_transcript(thinking_server: RunningServer) -> None:
     """vLLM's forward writes the transcript (raw on the completions route, where no split applies)."""
-    body = {"prompt": "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 20,
-            "temperature": 0}
-    answer = requests.post(f"{thinking_server.url}/v1/completions", json=body, timeout=300).json()
-    assert answer["choices"][0]["text"] == TRANSCRIPT and answer["choices"][0]["finish_reason"] == "stop"
+    choice = raw_completion(thinking_server.url, timeout=300)
+    assert choice["text"] == TRANSCRIPT and choice["finish_reason"] == "stop"
 
 
 def test_the_sdk_reads_reasoning_and_content(sdk: openai.OpenAI) -> None:
