@@ -50,7 +50,7 @@ COPY handler/ handler/
 # LMI's handler API (from djl_python import Input, Output), importable from the working directory as handler is
 COPY djl_python/ djl_python/
 RUN python -m compileall -q handler djl_python \
-    && python -m handler.engine.model.packed model_store/smollm2-135m-instruct
+    && python -m handler.engine.prepare model_store/smollm2-135m-instruct
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true

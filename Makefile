@@ -18,7 +18,7 @@ venv:
 model: venv  ## assemble the embedded default model, build the int8 decode kernel, write its int8 form (idempotent)
 	$(PY) -m handler.assemble_model $(MODEL)
 	$(PY) handler/engine/model/kernels/build.py
-	$(PY) -m handler.engine.model.packed $(MODEL)
+	$(PY) -m handler.engine.prepare $(MODEL)
 
 bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run

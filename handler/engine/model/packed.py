@@ -6,18 +6,15 @@ follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quan
 (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is safetensors,
 memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own layout, per CPU).
 
-Where: in ``LLM_INT8_CACHE`` (the image sets its own, prepared at build), else the user's cache, never in the model
-folder (it is the user's, and SageMaker mounts it read-only). The file's name is the folder's path digest and a digest
-of what decides its contents: the folder's files (name, size, modification time), the split sites and
-activation levels, and the source of the code that computes it, so a changed model, setting or algorithm never
-reads a stale file. Written to a temporary name and renamed, so a start killed mid-write leaves no partial file.
+Where: in the start cache (``core.start_cache``), named by the folder, the split sites and activation levels, and
+the source of the code that computes it. Written to a temporary name and renamed, so a start killed mid-write
+leaves no partial file.
 
 Dense decoders only: an MoE layer's experts and router are quantised at every start (``supports``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -28,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from handler.config import INT8_SITES
+from handler.engine.core import start_cache
 from handler.engine.model import decoder, family, linear, quantize
 from handler.engine.model.linear import Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
@@ -51,16 +49,8 @@ def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
     not split (split sites are 7-bit halves on every CPU), so an image prepared on one CPU serves on another."""
     if split >= set(INT8_SITES):
         levels = 0
-    digest = hashlib.sha256(f"{FORMAT}|{sorted(split)}|{levels}".encode())
-    for source in _SOURCES:
-        digest.update(Path(source).read_bytes())
-    for file in sorted(model_dir.iterdir()):  # weights, config, and the tokenizer calibration encodes with
-        if file.is_file():
-            stat = file.stat()
-            digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    home = Path(os.environ.get("LLM_INT8_CACHE", Path.home() / ".cache" / "sagemaker-llm" / "int8"))
-    folder = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
-    return home / f"{folder}-{digest.hexdigest()[:24]}.safetensors"
+    name = start_cache.name_for(model_dir, f"{FORMAT}|{sorted(split)}|{levels}", _SOURCES)
+    return start_cache.home() / f"{name}.safetensors"
 
 
 def save(model: decoder.DecoderModel, path: Path) -> None:
@@ -98,20 +88,12 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    _prune(path.parent)
-
-
-def _prune(home: Path) -> None:
-    """Keep the ``KEEP`` most recently used files (a read touches its file): the cache is bounded whatever number of
-    folders or settings pass through it."""
-    files = sorted(home.glob("*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
-    for stale in files[KEEP:]:
-        stale.unlink(missing_ok=True)
+    start_cache.prune(path.parent, "*.safetensors", KEEP)
 
 
 def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels: int) -> None:
     """Give ``model`` (built from its checkpoint, not yet quantised) the int8 form written by ``save``."""
-    os.utime(path)  # recently used: kept by ``_prune``
+    start_cache.touch(path)
     with safe_open(str(path), framework="pt") as file:  # every tensor read before the model changes: a damaged
         tensors = {name: file.get_tensor(name) for name in file.keys()}  # file leaves it as it was
 
@@ -159,8 +141,3 @@ def prepare(model_dir: Path) -> Path:
         save(model, path)
     return path
 
-
-if __name__ == "__main__":
-    import sys
-
-    print(prepare(Path(sys.argv[1])))
