@@ -1,6 +1,6 @@
 """What a start computes once for a model folder, computed ahead: ``make model``, ``ci/test.sh`` and the image build
 run ``python -m handler.engine.prepare <folder>``, so the embedded model's first start reads both from the start
-cache (``core.start_cache``) like every later one: the int8 model (``model.packed``) and the tokenizer class
+cache (``handler.start_cache``) like every later one: the int8 model (``model.packed``) and the tokenizer class
 transformers picks (``core.tokenizer``). Prints what it wrote."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ computed again."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -58,8 +59,8 @@ def logits(model: DecoderModel) -> torch.Tensor:
     return torch.cat(out)
 
 
-def fresh(folder: Path) -> DecoderModel:
-    return DecoderModel(folder, dtype=torch.float32, device=torch.device("cpu"))
+def fresh(folder: Path, linears: bool = True) -> DecoderModel:
+    return DecoderModel(folder, dtype=torch.float32, device=torch.device("cpu"), linears=linears)
 
 
 def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
@@ -68,8 +69,10 @@ def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
     smooth_and_quantize(computed, calibrate(computed, calibration()), SPLIT)
     path = packed.path_for(folder, SPLIT, levels)
     packed.save(computed, path)
-    read = fresh(folder)
+    read = fresh(folder, linears=False)  # as a start builds it when the file is there: no float Linear read
+    assert packed.lacks_weights(read)
     packed.load(read, path, SPLIT, levels)
+    assert not packed.lacks_weights(read)
     assert torch.equal(logits(read), logits(computed))
     for mine, theirs in zip(read.layers, computed.layers, strict=True):
         assert torch.equal(mine.input_norm, theirs.input_norm) and torch.equal(mine.post_norm, theirs.post_norm)
@@ -96,8 +99,10 @@ def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixt
     lean_load._quantize(first, folder, calibration, options)
     assert "written for later starts" in caplog.text
     caplog.clear()
-    second = fresh(folder)
-    lean_load._quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"), options)
+    assert packed.kept_for(folder, json.loads((folder / "config.json").read_text()), SPLIT) is not None
+    second = fresh(folder, linears=False)
+    second = lean_load._quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"),
+                                 options, rebuild=lambda: pytest.fail("rebuilt although the file was there"))
     assert "read the quantised model" in caplog.text
     assert torch.equal(logits(first), logits(second))
 
@@ -107,9 +112,9 @@ def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptur
     path = packed.path_for(folder, SPLIT, activation_levels())
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not safetensors")
-    model = fresh(folder)
-    lean_load._quantize(model, folder, calibration, options)
-    assert "could not be read" in caplog.text
+    model = lean_load._quantize(fresh(folder, linears=False), folder, calibration, options,
+                                rebuild=lambda: fresh(folder))  # a start built it for the file it found
+    assert "could not be read" in caplog.text and not packed.lacks_weights(model)
     reference = fresh(folder)
     smooth_and_quantize(reference, calibrate(reference, calibration()), SPLIT)
     assert torch.equal(logits(model), logits(reference))

@@ -9,7 +9,7 @@ import logging
 import os
 from pathlib import Path
 
-from handler.engine.core import start_cache
+from handler import start_cache
 
 log = logging.getLogger(__name__)
 

@@ -239,7 +239,9 @@ class Engine:
             vocab = Vocabulary(loaded.tokenizer, loaded.eos_token_ids, loaded.special_token_ids)
             self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding,
                                          loaded.speculation)
+            warm_up = time.monotonic()
             loop.warm_up(generates=loaded.path != "encoder")
+            log.info("warm-up took %.1f s; ready", time.monotonic() - warm_up)
         except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
             self.load_error = " ".join(f"{type(error).__name__}: {error}".split())
             log.exception("model load failed")

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,15 +197,27 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
         return _load_reference(options, load_full_tokenizer, reason)
     if needs_transformers(config):
         _import_transformers()
-    loader = threading.Thread(target=lambda: result.update(tokenizer=_capture(load_full_tokenizer)),
-                              name="tokenizer-load", daemon=True)
+    started = time.monotonic()
+
+    def load_tokenizer() -> None:
+        result.update(tokenizer=_capture(load_full_tokenizer), tokenizer_s=time.monotonic() - started)
+
+    loader = threading.Thread(target=load_tokenizer, name="tokenizer-load", daemon=True)
     loader.start()
     device = torch.device(options.device)
     with _sharing_cores(loader):
-        model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len)
+        split = SPLIT if options.int8_split is None else options.int8_split
+        # with the int8 form an earlier start wrote, the Linears' float weights are never read
+        kept = packed.kept_for(options.model_dir, config, split) if options.quantize else None
+        model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len,
+                                     linears=kept is None)
         if options.quantize:
-            _quantize(model, options.model_dir, lambda: calibration_ids(options.model_dir, loader, result), options)
-            log.info(describe_cpu(SPLIT if options.int8_split is None else options.int8_split))
+            model = _quantize(model, options.model_dir,
+                              lambda: calibration_ids(options.model_dir, loader, result), options,
+                              rebuild=lambda: _load_model(options.model_dir, config, DTYPES[options.dtype], device,
+                                                          options.max_model_len)[0])
+            log.info(describe_cpu(split))
+    weights_s = time.monotonic() - started
     loader.join()
     tokenizer = result["tokenizer"]
     if isinstance(tokenizer, BaseException):
@@ -215,6 +228,9 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     check_budget(runner.space, options.max_model_len, how)
     if encoder is None:  # a vision model's template renders through its processor
         runner.set_shared_prefix(chat_template_prefix(tokenizer))
+    log.info("load took %.1f s: the weights %.1f s, the tokenizer %.1f s beside them, then the KV cache and the "
+             "chat template's shared prefix %.1f s", time.monotonic() - started, weights_s, result["tokenizer_s"],
+             time.monotonic() - started - max(weights_s, result["tokenizer_s"]))
     eos_ids = eos_token_ids(options.model_dir, tokenizer)
     grammar = GrammarCompiler(lambda: tokenizer, model.shape.vocab_size, sorted(eos_ids))
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=eos_ids,
@@ -272,7 +288,7 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
                                f"{error}") from None
     draft = DecoderModel(folder, dtype=model.dtype, device=model.device, config=config)
     if options.quantize:  # the draft's tokenizer.json is the model's (checked above)
-        _quantize(draft, folder, lambda: calibration_ids(folder, None, {}), options)
+        draft = _quantize(draft, folder, lambda: calibration_ids(folder, None, {}), options)
     # the draft's cache may take the share of the target's budget its tokens' size is of the target's
     budget = runner.space.budget * draft.kv_bytes_per_token() // model.kv_bytes_per_token()
     log.info("speculative decoding: draft model %s, %d tokens a step, KV budget %.0f MiB", folder.name, spec.length,
@@ -282,28 +298,33 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
 
 
 def _quantize(model: DecoderModel, model_dir: Path, calibration: Callable[[], list[int]],
-              options: LoadOptions) -> None:
+              options: LoadOptions, rebuild: Callable[[], DecoderModel] | None = None) -> DecoderModel:
     """int8 as option.int8_split says, smoothed on the calibration tokens (the model's, and a draft's): read from the
-    form an earlier start wrote (``packed``), else computed and written for the next start."""
+    form an earlier start wrote (``packed``), else computed and written for the next start. Returns the model:
+    ``model`` itself, or, when it was built without its Linears' weights and the file could not be read, the
+    model ``rebuild`` reads whole, quantised."""
     split = SPLIT if options.int8_split is None else options.int8_split
     if not packed.supports(model):
         smooth_and_quantize(model, calibrate(model, calibration()), split)
-        return
+        return model
     levels = activation_levels()
     path = packed.path_for(model_dir, split, levels)
     if path.is_file():
         try:
             packed.load(model, path, split, levels)
             log.info("int8: read the quantised model written by an earlier start (%s)", path)
-            return
+            return model
         except Exception as error:  # a damaged file: compute it again and replace it
             log.warning("int8: %s could not be read (%s); quantising again", path, error)
+    if packed.lacks_weights(model):
+        model = rebuild()
     smooth_and_quantize(model, calibrate(model, calibration()), split)
     try:
         packed.save(model, path)
         log.info("int8: quantised model written for later starts (%s)", path)
     except OSError as error:
         log.warning("int8: the quantised model could not be kept for later starts (%s)", error)
+    return model
 
 
 def check_same_vocabulary(model_dir: Path, draft_dir: Path) -> None:
@@ -432,11 +453,12 @@ def _import_transformers() -> None:
 
 
 def _load_model(model_dir: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                max_model_len: int) -> tuple[DecoderModel, object | None]:
+                max_model_len: int, linears: bool = True) -> tuple[DecoderModel, object | None]:
     """The lean language model, and for a vision-language model its vision encoder (``model.vision``). A text
-    model was checked by ``choose_path``; a VLM's language model is checked here, before any weight is read."""
+    model was checked by ``choose_path``; a VLM's language model is checked here, before any weight is read.
+    ``linears=False`` (a text model whose int8 form is kept): the Linears' weights are left unread."""
     if not vision.is_vision_model(config):
-        return DecoderModel(model_dir, dtype=dtype, device=device, config=config), None
+        return DecoderModel(model_dir, dtype=dtype, device=device, config=config, linears=linears), None
     text = vision.text_config(config)
     vision.check_text_model(text, max_model_len)
     model = DecoderModel(model_dir, dtype=dtype, device=device, config=text,

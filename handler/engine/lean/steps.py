@@ -77,17 +77,15 @@ class StepLoop:
         return Sequence.create(state, index, self.vocab, self.limits.max_model_len)
 
     def warm_up(self, generates: bool = True) -> None:
-        """Two generations before /ping says ready (an encoder: one embedding): one shaped like a lone chat request
-        (the shared template prefix copied in, a short prefill, one decoding row), then one with several rows
-        decoding after a prefill: on CUDA every slot after a full prefill chunk (the largest step), on CPU four rows
-        after a short prompt.
+        """Generations before /ping says ready (an encoder: one embedding): one shaped like a lone chat request (the
+        shared template prefix copied in, a short prefill, one decoding row); on CUDA then one with every slot
+        decoding after a full prefill chunk (the largest step).
 
-        The first requests then pay no first-call costs (on CUDA, kernels load lazily per new shape, and the
-        allocator then holds the largest working set). On CPU nothing is shape-specific: four rows take the batched
-        int8 path (the decode kernel takes up to three), and every slot decoding cost the start 1.2 s of its 10 on
-        the embedded model (forking 32 choices, then 32-row steps; a 128-token prompt in every slot had cost 2 s),
-        with no first-call cost left for 32 rows after it (measured after 4-row steps: the first 32-row step 192 ms,
-        the next two 178 and 192). It is also the start's check that the model
+        The first requests then pay no first-call costs: on CUDA, kernels load lazily per new shape, and the
+        allocator then holds the largest working set. On CPU nothing is shape-specific (measured, the embedded
+        model after one 16-token prefill and 1-row steps: the first 4-row and 16-row steps took what the next ones
+        did), so the lone request is the whole warm-up; a second one with every slot decoding had cost the start
+        1.2 s of its 10 (forking 32 choices, then 32-row steps). It is also the start's check that the model
         can serve at all: a warm-up generation that ends in an error (a forward that raises, non-finite logits) raises
         ``WarmUpFailed`` with the reason, so a model that would fail every request never says it is ready.
         """
@@ -95,10 +93,10 @@ class StepLoop:
             self.runner.embed([tuple(range(1, 9))], self.pooling)
             return
         prefix = self.runner.prefix_ids
-        largest = getattr(self.runner, "device", None) is not None and self.runner.device.type != "cpu"
-        prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128 if largest else 8)
-        rows = self.limits.max_running if largest else min(4, self.limits.max_running)
-        shapes = [(prefix + tuple(range(1, 9)), 1), (tuple(range(1, prompt_length + 1)), rows)]
+        shapes = [(prefix + tuple(range(1, 9)), 1)]
+        if getattr(self.runner, "device", None) is not None and self.runner.device.type != "cpu":
+            prompt_length = min(self.limits.max_step_tokens, self.limits.max_model_len // 2, 128)
+            shapes.append((tuple(range(1, prompt_length + 1)), self.limits.max_running))
         for prompt_ids, n in shapes:
             if len(prompt_ids) + 4 > self.limits.max_model_len:
                 continue

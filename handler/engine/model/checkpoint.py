@@ -6,6 +6,7 @@ folder before it starts a worker; only ``read_tensors`` needs torch (safetensors
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,17 +45,23 @@ def rename(key: str, prefixes: Prefixes) -> str | None:
 
 
 def read_tensors(
-    model_dir: Path, prefixes: Prefixes | None = None, dtype: torch.dtype | None = None
+    model_dir: Path, prefixes: Prefixes | None = None, dtype: torch.dtype | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The folder's tensors (only those under ``prefixes``, renamed, when given; floats cast to ``dtype`` when
     given), copied out of the file mapping: a tensor kept from it (the embeddings) would otherwise keep the whole
-    file mapped and resident (measured: 525 MB of RSS for the embedded model after int8 replaced the rest)."""
+    file mapped and resident (measured: 525 MB of RSS for the embedded model after int8 replaced the rest).
+
+    ``skip(name)``: tensors left out, not read (the float Linears whose int8 form a start reads from its cache:
+    ``model.packed``)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 name = key if prefixes is None else rename(key, prefixes)
                 if name is None:
+                    continue
+                if skip is not None and skip(name):
                     continue
                 tensor = handle.get_tensor(key)
                 cast = dtype is not None and tensor.is_floating_point()

@@ -41,16 +41,18 @@ class DecoderModel:
     implements."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device, config: dict | None = None,
-                 state: dict[str, torch.Tensor] | None = None) -> None:
+                 state: dict[str, torch.Tensor] | None = None, linears: bool = True) -> None:
         """``config`` and ``state`` default to the folder's own; a vision-language model passes its language
-        model's config and tensors, renamed to Llama keys (``handler.engine.model.vision``)."""
+        model's config and tensors, renamed to Llama keys (``handler.engine.model.vision``). ``linears=False``:
+        the Linears' weights are not read (each Linear is built without one), for a caller that gives the model
+        its int8 Linears (``packed.load``) before it runs."""
         config = with_family_defaults(read_config(model_dir) if config is None else config)
         self.shape = shape_from_config(config)
         self.spec = FamilySpec.from_config(config)
         self.dtype, self.device = dtype, device
         self.adapter_batch = None   # lora.AdapterBatch once adapters are enabled (``lora.enable_adapters``)
-        state = load_state_dict(model_dir) if state is None else state
-        build = LayerBuilder(self.spec, self.shape, config, dtype, device)
+        state = load_state_dict(model_dir, linears) if state is None else state
+        build = LayerBuilder(self.spec, self.shape, config, dtype, device, linears)
         self.embed = build.embeddings(state)
         self.layers = build.layers(state)
         self.final_norm = build.norm(state, "model.norm.weight")

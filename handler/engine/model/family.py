@@ -116,9 +116,15 @@ def shape_from_config(config: dict) -> ModelShape:
     )
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every safetensors file in the folder, copied out of the file mapping (``checkpoint``)."""
-    return read_tensors(model_dir)
+def load_state_dict(model_dir: Path, linears: bool = True) -> dict[str, torch.Tensor]:
+    """All tensors of every safetensors file in the folder, copied out of the file mapping (``checkpoint``);
+    ``linears=False``: without the layers' projection weights and a separate head (left unread)."""
+    return read_tensors(model_dir, skip=None if linears else is_linear_weight)
+
+
+def is_linear_weight(name: str) -> bool:
+    """A weight of a Linear the int8 form replaces (``quantize``): the layers' projections and an untied head."""
+    return name == "lm_head.weight" or (name.startswith("model.layers.") and name.endswith("_proj.weight"))
 
 
 class LayerBuilder:
@@ -126,9 +132,11 @@ class LayerBuilder:
     is made dense (``handler.engine.model.quantize`` swaps in int8 layers after calibration)."""
 
     def __init__(self, spec: FamilySpec, shape: ModelShape, config: dict, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, linears: bool = True) -> None:
+        """``linears=False``: the state has no Linear weights (``load_state_dict``), and each Linear is built
+        without one, for ``packed.load`` to replace before the model runs."""
         self.spec, self.shape, self.config = spec, shape, config
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.linears = dtype, device, linears
 
     def embeddings(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         embed = state["model.embed_tokens.weight"]
@@ -146,12 +154,21 @@ class LayerBuilder:
                 for i in range(self.shape.num_layers)]
 
     def lm_head(self, state: dict[str, torch.Tensor]) -> DenseLinear:
-        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
-        return self.dense(head / self.config["logits_scaling"] if self.spec.granite else head, None)
+        def weight() -> torch.Tensor:
+            head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
+            return head / self.config["logits_scaling"] if self.spec.granite else head
+
+        return self.linear(weight, None)
 
     def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear:
         bias = None if bias is None else bias.to(self.device, self.dtype)
         return DenseLinear(weight.to(self.device, self.dtype), bias)
+
+    def linear(self, weight: Callable[[], torch.Tensor], bias: torch.Tensor | None) -> DenseLinear:
+        """``dense(weight(), bias)``; without ``linears``, a Linear whose weight is None (``weight`` not called)."""
+        if not self.linears:
+            return DenseLinear(None, None if bias is None else bias.to(self.device, self.dtype))
+        return self.dense(weight(), bias)
 
     def norm(self, state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return self.norm_weight(state[name]).to(self.device, self.dtype)
@@ -188,17 +205,24 @@ class LayerBuilder:
         q_norms = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")
         q_norm = state[f"{p}self_attn.q_norm.weight"] if family in q_norms else None
         project_scale = 1.0 if q_norm is not None else scale
-        attn = _qkv_weights(state, p, family, s)
-        attn[0] = attn[0] * project_scale
+
+        def qkv_weight() -> torch.Tensor:
+            attn = _qkv_weights(state, p, family, s)
+            attn[0] = attn[0] * project_scale
+            return torch.cat(attn)
+
         biases = [state.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
         biases[0] = None if biases[0] is None else biases[0] * project_scale
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        out_weight, out_bias = state[f"{p}self_attn.o_proj.weight"], state.get(f"{p}self_attn.o_proj.bias")
-        residual = None
-        if family == "granite":  # residual_multiplier scales each sublayer's output: its last Linear
-            residual = config["residual_multiplier"]
-            out_weight = out_weight * residual
+        out_bias = state.get(f"{p}self_attn.o_proj.bias")
+        # granite's residual_multiplier scales each sublayer's output: its last Linear
+        residual = config["residual_multiplier"] if family == "granite" else None
+        if residual is not None:
             out_bias = None if out_bias is None else out_bias * residual
+
+        def out_weight() -> torch.Tensor:
+            weight = state[f"{p}self_attn.o_proj.weight"]
+            return weight if residual is None else weight * residual
         heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
         if q_norm is None:
             split = partial(_split_and_rotate if use_rope else _split, **heads)
@@ -222,8 +246,8 @@ class LayerBuilder:
         return Layer(
             folds=folds,
             **self.layer_norms(state, p),
-            qkv=make(torch.cat(attn), qkv_bias),
-            out=make(out_weight, out_bias),
+            qkv=self.linear(qkv_weight, qkv_bias),
+            out=self.linear(out_weight, out_bias),
             mlp=self.feed_forward(state, p, make, config, use_moe, residual),
             split=split,
             sliding=sliding,
@@ -236,14 +260,17 @@ class LayerBuilder:
         experts; ``down_scale``: granite's residual multiplier, folded into the down projection."""
         if use_moe:
             return load_moe(state, p, config, make, lambda router: router.to(self.device, self.dtype))
-        if config.get("model_type") == "phi3":
-            gate_up = state[f"{p}mlp.gate_up_proj.weight"]
-        else:
-            gate_up = torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]])
-        down = state[f"{p}mlp.down_proj.weight"]
+        def gate_up() -> torch.Tensor:
+            if config.get("model_type") == "phi3":
+                return state[f"{p}mlp.gate_up_proj.weight"]
+            return torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]])
+
+        def down() -> torch.Tensor:
+            weight = state[f"{p}mlp.down_proj.weight"]
+            return weight if down_scale is None else weight * down_scale
+
         activation = ACTIVATIONS["gelu_pytorch_tanh" if self.spec.gemma else "silu"]
-        return GatedMLP(make(gate_up, None), make(down if down_scale is None else down * down_scale, None),
-                        activation)
+        return GatedMLP(self.linear(gate_up, None), self.linear(down, None), activation)
 
     def rope(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[max_positions, head_dim]``; for the gemma families ``[2, max_positions, head_dim]``, the

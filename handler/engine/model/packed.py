@@ -6,7 +6,7 @@ follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quan
 (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is safetensors,
 memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own layout, per CPU).
 
-Where: in the start cache (``core.start_cache``), named by the folder, the split sites and activation levels, and
+Where: in the start cache (``handler.start_cache``), named by the folder, the split sites and activation levels, and
 the source of the code that computes it. Written to a temporary name and renamed, so a start killed mid-write
 leaves no partial file.
 
@@ -18,17 +18,19 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from handler import start_cache
 from handler.config import INT8_SITES
-from handler.engine.core import start_cache
 from handler.engine.model import decoder, family, linear, quantize
-from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
+from handler.engine.model.support import moe_layers
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,22 @@ _SOURCES = (quantize.__file__, linear.__file__, family.__file__, decoder.__file_
 def supports(model: decoder.DecoderModel) -> bool:
     """Whether the model's int8 form can be kept: a dense decoder (an MoE's experts are quantised at each start)."""
     return all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
+
+
+def kept_for(model_dir: Path, config: dict, split: frozenset[str]) -> Path | None:
+    """The int8 form kept for this folder and split, when there is one and the model is dense: a start then builds
+    the model without reading its Linears' float weights (``decoder.DecoderModel(linears=False)``), which ``load``
+    replaces."""
+    if any(moe_layers(config)):
+        return None
+    path = path_for(model_dir, split, linear.activation_levels())
+    return path if path.is_file() else None
+
+
+def lacks_weights(model: decoder.DecoderModel) -> bool:
+    """Whether a Linear of ``model`` is still one built without its weight (``kept_for``)."""
+    linears = [model.lm_head, *(_site(layer, site) for layer in model.layers for site in SITES)]
+    return any(isinstance(layer, DenseLinear) and layer.weight is None for layer in linears)
 
 
 def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
@@ -108,13 +126,17 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
         return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
                                            split=site in split, levels=levels)
 
+    # fbgemm's packing, most of this, releases the GIL: two threads take ~2/3 of one's time (the embedded model:
+    # 0.95 s against 1.44), and at start-up the second core is free once the tokenizer thread is done
+    jobs = [(f"{index}.{site}", site.rpartition(".")[2]) for index in range(len(model.layers)) for site in SITES]
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="int8-load") as pool:
+        linears = dict(zip((name for name, _ in jobs), pool.map(lambda job: get_linear(*job), jobs), strict=True))
     for index, layer in enumerate(model.layers):
         for norm in NORMS:
             setattr(layer, norm, get(f"{index}.{norm}"))
-        layer.qkv = get_linear(f"{index}.qkv", "qkv")
-        layer.out = get_linear(f"{index}.out", "out")
-        layer.mlp = GatedMLP(get_linear(f"{index}.mlp.gate_up", "gate_up"),
-                             get_linear(f"{index}.mlp.down", "down"), layer.mlp.activation)
+        layer.qkv = linears[f"{index}.qkv"]
+        layer.out = linears[f"{index}.out"]
+        layer.mlp = GatedMLP(linears[f"{index}.mlp.gate_up"], linears[f"{index}.mlp.down"], layer.mlp.activation)
         sites = {name.split(".")[2] for name in tensors if name.startswith(f"{index}.folds.")}
         layer.folds = {site: (get(f"{index}.folds.{site}.input"), get(f"{index}.folds.{site}.output"))
                        for site in sites}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -59,26 +60,28 @@ class Int8Kernel:
 
 _KERNEL: Int8Kernel | None = None
 _TRIED = False
+_FIRST_USE = threading.Lock()  # layers are set up on several threads (``packed.load``)
 
 
 def int8_kernel() -> Int8Kernel | None:
     """This process's kernel, built and loaded on first use; None where it cannot run (no AVX2, no compiler,
     ``LLM_INT8_KERNEL=torch``), with one log line saying why."""
     global _KERNEL, _TRIED
-    if _TRIED:
+    with _FIRST_USE:
+        if _TRIED:
+            return _KERNEL
+        _TRIED = True
+        if os.environ.get("LLM_INT8_KERNEL", "auto") == "torch":
+            return None
+        if not {"avx2", "fma"} <= cpu_flags():
+            log.info("int8: no AVX2 and FMA on this CPU; a decode step's Linears run through torch and fbgemm")
+            return None
+        try:
+            _KERNEL = Int8Kernel(build())
+        except OSError as error:
+            log.warning("int8: the decode kernel could not be built (%s); a decode step's Linears run through "
+                        "torch and fbgemm (slower at batch 1, the same numbers)", error)
         return _KERNEL
-    _TRIED = True
-    if os.environ.get("LLM_INT8_KERNEL", "auto") == "torch":
-        return None
-    if not {"avx2", "fma"} <= cpu_flags():
-        log.info("int8: no AVX2 and FMA on this CPU; a decode step's Linears run through torch and fbgemm")
-        return None
-    try:
-        _KERNEL = Int8Kernel(build())
-    except OSError as error:
-        log.warning("int8: the decode kernel could not be built (%s); a decode step's Linears run through torch "
-                    "and fbgemm (slower at batch 1, the same numbers)", error)
-    return _KERNEL
 
 
 def cpu_flags() -> set[str]:
