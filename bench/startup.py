@@ -7,13 +7,14 @@ Warm starts read the start cache (``make model`` fills it: the int8 model and th
 starts each with an empty cache of its own (calibration and quantisation at start, as the first start of a model
 from the Hub or S3).
 
-    python -m bench.startup [--rounds 3] [--cold] [--variant before:TREE=../before]
+    python -m bench.startup [--rounds 3] [--cold] [--variant before:TREE=../before] [--llama-cpp]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import re
 import statistics
 import sys
@@ -21,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import ROOT, start, stop
+from bench import llama_cpp
+from bench.run import MODEL_DIR, ROOT, start, stop
 
 LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -35,8 +37,14 @@ def log_time(line: str) -> float | None:
 
 
 def one_start(tree: Path, env: dict, log: Path) -> dict:
-    """One start: seconds to /ping 200, and the timeline's marks from the log (seconds since the process began)."""
+    """One start: seconds to /ping 200, and the timeline's marks from the log (seconds since the process began).
+    ``tree`` None: llama.cpp's server on the same model (its Q8_0 GGUF, bench.run's slots), to /health 200."""
     began = time.time()
+    if tree is None:
+        command = llama_cpp.server_command(MODEL_DIR, 32, 256, os.cpu_count() or 1)
+        process, _url, ready_s = start(command, env, log, ready_path="/health")
+        stop(process)
+        return {"ping": ready_s}
     process, _url, ready_s = start([sys.executable, "-m", "handler", "serve"], env, log, tree)
     stop(process)
     marks = {"ping": ready_s}
@@ -55,7 +63,7 @@ def one_start(tree: Path, env: dict, log: Path) -> dict:
     return marks
 
 
-def parse_variant(text: str) -> tuple[str, Path, dict]:
+def parse_variant(text: str) -> tuple[str, Path | None, dict]:
     name, _, settings = text.partition(":")
     env = dict(item.split("=", 1) for item in settings.split(",") if item)
     return name, Path(env.pop("TREE", ROOT)).resolve(), env
@@ -68,8 +76,16 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:TREE=/path[,VAR=value]: another checkout (or settings) started in the same "
                              "rounds; repeatable")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="llama.cpp's server too (make llama-cpp builds it; to its /health 200)")
     args = parser.parse_args()
     variants = [("ours", ROOT, {})] + [parse_variant(v) for v in args.variant]
+    if args.llama_cpp:
+        if llama_cpp.server_binary() is None:
+            print("no llama-server: run make llama-cpp first", file=sys.stderr)
+            return 2
+        llama_cpp.q8_gguf(MODEL_DIR)  # converted once, before any start is timed
+        variants.append(("llama.cpp", None, {}))
     results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as scratch:
         for round_index in range(args.rounds):
