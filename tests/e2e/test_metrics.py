@@ -135,12 +135,25 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     env = {"OPTION_MAX_ROLLING_BATCH_SIZE": "1", "OPTION_MAX_QUEUE_SIZE": "1", "OPTION_REQUEST_TIMEOUT": "3",
            "OPTION_LOG_PROMPTS": "true"}
     running = start_server(tmp_path_factory.mktemp("tight"), env)
-    # a fresh server's first request can pay one-off costs (vLLM's first step on CPU took over the 3 s deadline on a
-    # loaded machine); the deadline tests are about requests that run, so that cost is paid here
-    requests.post(f"{running.url}/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
-                  timeout=120).raise_for_status()
-    yield running
-    stop_server(running)
+    try:
+        warm(running.url)
+        yield running
+    finally:
+        stop_server(running)
+
+
+def warm(url: str) -> None:
+    """A fresh server's first requests can pay one-off costs: on vLLM (CPU) the first took longer than the 3 s
+    deadline while the suite's other servers were up. The deadline tests are about requests that run, so short
+    requests go first until one is answered in time (one cut by the deadline is a 504, and a timeout the tests count
+    from where they start)."""
+    for _ in range(10):
+        response = requests.post(f"{url}/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                                 timeout=120)
+        if response.status_code == 200:
+            return
+        assert response.status_code == 504, response.text
+    pytest.fail("the server answered no 2-token request within its 3 s deadline in 10 tries")
 
 
 def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: RunningServer) -> None:
@@ -151,6 +164,7 @@ def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: 
     url, long_chat = tight.url, {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     long_prompt = {"messages": [{"role": "user", "content": "Summarise: " + "the keeper counted the waves. " * 400}],
                    "max_tokens": 100, "stream": True}
+    timeouts_before = value(scrape(url), "llm_request_timeouts_total")  # the warm-up's, if one was cut (``warm``)
     with requests.Session() as first, requests.Session() as second:
         running = first.post(f"{url}/v1/chat/completions", json=long_chat, stream=True, timeout=60)
         running_lines = stream_lines(running)
@@ -174,7 +188,7 @@ def test_full_queue_is_429_and_deadlines_end_running_and_waiting_streams(tight: 
     wait_until(lambda: value(scrape(url), "llm_running_requests") == 0, "the engine to go idle")
     samples = scrape(url)
     assert value(samples, "llm_queue_rejections_total") == 1
-    assert value(samples, "llm_request_timeouts_total") == 2
+    assert value(samples, "llm_request_timeouts_total") == timeouts_before + 2
 
 
 def test_non_streaming_deadline_returns_the_text_so_far_and_prompts_are_logged_when_asked(

@@ -162,4 +162,3 @@ def prepare(model_dir: Path) -> Path:
         quantize.smooth_and_quantize(model, quantize.calibrate(model, ids), split)
         save(model, path)
     return path
-
