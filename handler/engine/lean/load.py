@@ -78,6 +78,7 @@ class LoadOptions:
     kv_memory: KVMemory = KVMemory()
     speculation: SpeculationOptions | None = None
     lora: LoraOptions | None = None   # option.enable_lora: serve LoRA adapters
+    cuda_graphs: bool = True          # on CUDA, decode steps replay recorded graphs (false: option.enforce_eager)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +136,7 @@ def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[Promp
                           kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
                                              settings.workers, settings.enable_prefix_caching),
                           speculation=speculation_options(settings),
-                          lora=lora_options(settings))
+                          lora=lora_options(settings), cuda_graphs=not settings.enforce_eager)
     loaded, parts = load(options, lambda: load_tokenizer(settings.model_dir))
     on_parts(parts, loaded.path, loaded.path_reason)
     log.info("loaded %s on %s (%s%s%s), pid %d", settings.model_dir.name, resolved.device, resolved.dtype,
@@ -224,7 +225,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
         raise tokenizer
     budget, how = kv_budget(options, whole_blocks(options.max_model_len) * model.kv_bytes_per_token())
     runner = ModelRunner(model, options.max_running, options.max_model_len, budget, options.kv_memory.prefix_caching,
-                         adapters=adapter_store(model, options.lora))
+                         adapters=adapter_store(model, options.lora),
+                         cuda_graphs=options.cuda_graphs and device.type == "cuda")
     check_budget(runner.space, options.max_model_len, how)
     if encoder is None:  # a vision model's template renders through its processor
         runner.set_shared_prefix(chat_template_prefix(tokenizer))

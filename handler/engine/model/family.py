@@ -224,16 +224,18 @@ class LayerBuilder:
             weight = state[f"{p}self_attn.o_proj.weight"]
             return weight if residual is None else weight * residual
         heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
+        helpers = _SCRIPTED if self.device.type == "cpu" else _EAGER
         if q_norm is None:
-            split = partial(_split_and_rotate if use_rope else _split, **heads)
+            split = partial(helpers["split_and_rotate" if use_rope else "split"], **heads)
         else:
             k_norm = self.norm(state, f"{p}self_attn.k_norm.weight")
             q_norm = (self.norm_weight(q_norm) * scale).to(self.device, self.dtype)
             if family == "olmo2":  # over the whole q and k projections
-                split = partial(_split_norm_rotate, **heads, q_norm=q_norm, k_norm=k_norm, eps=s.rms_norm_eps)
+                split = partial(helpers["split_norm_rotate"], **heads, q_norm=q_norm, k_norm=k_norm,
+                                eps=s.rms_norm_eps)
             else:  # qwen3, gemma3_text: over each head, one weight per head dim
                 weight = torch.cat([q_norm.expand(s.num_heads, -1), k_norm.expand(s.num_kv_heads, -1)])
-                split = partial(_split_head_norm_rotate, **heads, qk_norm=weight, eps=s.rms_norm_eps)
+                split = partial(helpers["split_head_norm_rotate"], **heads, qk_norm=weight, eps=s.rms_norm_eps)
         sinks = state.get(f"{p}self_attn.sinks")
         folds: dict = {}
         if project_scale != 1.0:  # the query rows carry the attention scale
@@ -339,11 +341,10 @@ def attention_tokens(config: dict, s: ModelShape) -> int:
     return max(1, (attention + 3 * s.hidden_size * ffn) // (2 * s.num_heads * s.head_dim))
 
 
-@torch.jit.script
 def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv ``[rows, (heads + 2 kv_heads) * head_dim]`` -> q, k (RoPE applied) and v, per head. Scripted: these
-    dozen small ops per layer cost more in Python dispatch than in arithmetic."""
+    """qkv ``[rows, (heads + 2 kv_heads) * head_dim]`` -> q, k (RoPE applied) and v, per head. Scripted on CPU
+    (``_SCRIPTED``): these dozen small ops per layer cost more in Python dispatch than in arithmetic."""
     rows = qkv.shape[0]
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, -1, head_dim)
     half = head_dim // 2
@@ -353,7 +354,6 @@ def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
     return qk[:, :num_heads], qk[:, num_heads:], v
 
 
-@torch.jit.script
 def _split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_split_and_rotate`` for a layer without RoPE (smollm3's no-rope layers): cos and sin are not read."""
@@ -364,13 +364,11 @@ def _split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: i
     return q, k, v
 
 
-@torch.jit.script
 def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = qk.shape[-1] // 2
     return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
 
 
-@torch.jit.script
 def _split_head_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                             num_kv_heads: int, head_dim: int, qk_norm: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -383,7 +381,6 @@ def _split_head_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return qk[:, :num_heads], qk[:, num_heads:], v
 
 
-@torch.jit.script
 def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                        head_dim: int, q_norm: torch.Tensor, k_norm: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -395,3 +392,13 @@ def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     k = torch.rms_norm(qkv[:, q_size: q_size + k_size], [k_size], k_norm, eps).view(rows, num_kv_heads, head_dim)
     v = qkv[:, q_size + k_size:].view(rows, num_kv_heads, head_dim)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+# What a layer's ``split`` calls: on CPU the scripted helpers (no Python dispatch per op); on a GPU the plain ones,
+# whose kernels are torch's own from the first call on. TorchScript's GPU fuser replaces a function's ops by one
+# generated kernel after its first profiled calls, which rounds bf16 differently (its intermediates stay fp32):
+# the same request's tokens could then differ between the first calls and later ones, and a CUDA graph recorded
+# after them (``runners.cuda_graphs``) from what an eager step computes. A graphed decode step pays no dispatch.
+_EAGER = {"split_and_rotate": _split_and_rotate, "split": _split, "split_norm_rotate": _split_norm_rotate,
+          "split_head_norm_rotate": _split_head_norm_rotate}
+_SCRIPTED = {name: torch.jit.script(function) for name, function in _EAGER.items()}

@@ -77,6 +77,22 @@ def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[object,
     return layout if window is None else with_window(layout, window, groups)
 
 
+def decode_layout(positions: torch.Tensor, handle: object, length: int, groups: int,
+                  window: int | None = None) -> StepLayout:
+    """The layout of a step whose rows all decode into one group (``handle``), each reading ``length`` keys (whole
+    KEY_BLOCKs, at least its own position + 1): ``build_layout``'s, computed from the positions on their device
+    with no value read back to the host, so a CUDA graph can record it (``runners.cuda_graphs``). ``window``: the
+    sliding-window masks too (the model's, else the model would add them itself)."""
+    count = positions.shape[0]
+    keys = torch.arange(length, device=positions.device)
+    masks = [_additive(_allowed(keys, positions, None)).view(count, 1, 1, -1)]
+    layout = StepLayout(count, positions, [(handle, count)], masks, [], [])
+    if window is not None:
+        layout.window_decode_masks = [_additive(_allowed(keys, positions, window)).view(count, 1, 1, -1)]
+        layout.window_prefill_masks, layout.window = [], window
+    return layout
+
+
 def with_window(layout: StepLayout, window: int, groups: int) -> StepLayout:
     """Adds the masks of sliding-window layers to ``layout``: a query at ``p`` sees keys in ``(p - window, p]``
     (transformers' ``sliding_window_overlay``), over the same whole KEY_BLOCKs as the full masks."""

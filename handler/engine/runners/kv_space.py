@@ -235,6 +235,12 @@ class KVSpace:
         size_class, slab, first, count = group
         return self.classes[size_class].slabs[slab].decode_view(layer, (first, count), length)
 
+    def storage(self, group: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values tensors a decode group's rows write and read (their slab's whole tensors)."""
+        size_class, slab, _first, _count = group
+        cache = self.classes[size_class].slabs[slab]
+        return cache.keys, cache.values
+
     def write_prefill(self, layer: int, ref: SlotRef, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slab, slot = self._locate(ref)
         slab.write_prefill(layer, slot, start, k, v)

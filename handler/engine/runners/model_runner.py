@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from functools import partial
 
 import torch
@@ -14,8 +15,11 @@ from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import StepOutput, StepPlan, advance
+from handler.engine.runners.cuda_graphs import DecodeGraphs, why_eager
 from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
 from handler.engine.types import Pooling
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -24,7 +28,9 @@ class ModelRunner:
     blocks to the prefix store."""
 
     def __init__(self, model: DecoderModel, max_slots: int, max_len: int, budget: int,
-                 prefix_caching: bool = True, adapters: AdapterStore | None = None) -> None:
+                 prefix_caching: bool = True, adapters: AdapterStore | None = None, cuda_graphs: bool = False) -> None:
+        """``cuda_graphs``: decode steps replay recorded CUDA graphs where the model allows it
+        (``runners.cuda_graphs``; on a GPU, unless option.enforce_eager)."""
         self.model = model
         self.adapters = adapters      # LoRA adapters (option.enable_lora); the model's Linears are wrapped then
         shape = model.shape
@@ -36,6 +42,13 @@ class ModelRunner:
         self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_prefix_queries = 0   # prompt tokens admitted, and how many of them came from a cached prefix
         self.num_prefix_hits = 0
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            reason = why_eager(model)
+            if reason is None:
+                self.graphs = DecodeGraphs(model, self.space, max_slots)
+            else:
+                log.info("CUDA graphs off: %s; steps run eagerly", reason)
 
     @property
     def device(self) -> torch.device:
@@ -144,20 +157,11 @@ class ModelRunner:
             if sequence.prefix_kv is not None and start == sequence.num_cached_prefix:  # its first chunk
                 self.space.load_prefix(sequence, sequence.prefix_kv)
                 sequence.prefix_kv = None
-        device = self.model.device
         num_sampled = len(sequences)
         logit_rows += [first + i for _sequence, drafts, first in verify_rows for i in range(1 + len(drafts))]
         logit_rows += [r for _sequence, _start, rows in scored for r in rows]
-        # attention reads whole key blocks: a row's result then does not depend on how long its neighbours are,
-        # and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
-        layout = build_layout(positions[:num_decode_rows], chunks, self.groups, device, decode_groups)
-        self._group_adapters(plan, verify_rows)
-        try:
-            logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                        layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
-                                        _join_embeds(embeds, device))
-        finally:
-            self._group_adapters(None, [])
+        logits = self._forward(plan, tokens, positions, num_decode_rows, chunks, decode_groups, verify_rows,
+                               logit_rows, embeds)
         advance(plan)
         if self.space.prefixes.enabled:
             for sequence, _start, _length in plan.prefill:
@@ -168,6 +172,27 @@ class ModelRunner:
             verified.append((sequence, drafts, logits[row:row + 1 + len(drafts)]))
             row += 1 + len(drafts)
         return StepOutput(sequences, logits[:num_sampled], prompt_logprobs.split(scored, logits[row:]), verified)
+
+    def _forward(self, plan: StepPlan, tokens: list[int], positions: list[int], num_decode_rows: int,
+                 chunks: list, decode_groups: list, verify_rows: list, logit_rows: list[int],
+                 embeds: list) -> torch.Tensor:
+        """The model's logits for the step's ``logit_rows``: a recorded CUDA graph's replay where the step is one
+        (``cuda_graphs``: decode rows only, each sampled, all in one run of one slab's slots), else the forward."""
+        if (self.graphs is not None and not plan.prefill and not plan.verify and len(decode_groups) == 1
+                and len(logit_rows) == len(plan.decode) <= self.graphs.max_rows
+                and isinstance(decode_groups[0][0], tuple)):
+            return self.graphs.run(decode_groups[0][0], tokens, positions)
+        device = self.model.device
+        # attention reads whole key blocks: a row's result then does not depend on how long its neighbours are,
+        # and shapes repeat (on CUDA each new key length cost ~80 ms the first time)
+        layout = build_layout(positions[:num_decode_rows], chunks, self.groups, device, decode_groups)
+        self._group_adapters(plan, verify_rows)
+        try:
+            return self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                      layout, self.space, torch.tensor(logit_rows, dtype=torch.long, device=device),
+                                      _join_embeds(embeds, device))
+        finally:
+            self._group_adapters(None, [])
 
     def _group_adapters(self, plan: StepPlan | None, verify_rows: list[tuple[Sequence, tuple[int, ...], int]]) -> None:
         """Tell the model's adapter layers which rows of this step run under which adapter, in the row order
