@@ -115,7 +115,9 @@ class Settings(BaseModel):
     # vLLM's engine only (LMI's names; the lean engine refuses them when set, ``lean_refusal``)
     tensor_parallel_degree: int | Literal["max"] = 1       # also SM_NUM_GPUS; max: every visible GPU
     pipeline_parallel_degree: int = Field(1, ge=1)
-    enforce_eager: bool = False                             # true: no CUDA graphs / torch.compile
+    # true: no CUDA graphs / torch.compile; unset: vLLM's default (graphs), the lean engine eager (its CUDA graphs
+    # have not run on a GPU yet: false turns them on)
+    enforce_eager: bool | None = None
     trust_remote_code: bool = False                         # run the checkpoint's own Python code (vLLM)
     # Speculative decoding (LMI's / vLLM's names): a draft model folder (same tokenizer), or "ngram" (prompt lookup:
     # drafts copied from the context); how many tokens each step drafts (unset: 5, LMI's default, for a draft model;

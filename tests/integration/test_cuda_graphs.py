@@ -95,9 +95,10 @@ def _drive(loop: StepLoop, requests: list[GenerationRequest], late: GenerationRe
 def test_graphed_decode_steps_equal_eager_ones_bit_for_bit(tokenizer) -> None:
     from handler.engine.lean.load import LoadOptions, load
 
-    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN)
+    options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN,
+                          cuda_graphs=True)
     loaded = load(options, lambda: tokenizer)[0]
-    assert loaded.runner.graphs is not None  # the served default on a GPU
+    assert loaded.runner.graphs is not None
     ids = [tokenizer.encode(text) for text in ("The sea at night", "A short poem about bread, please",
                                                "Count from one to twenty", "Why is the sky blue?")]
     requests = [_request("a", ids[0], 90), _request("b", ids[1], 40), _request("c", ids[2], 65, n=2)]

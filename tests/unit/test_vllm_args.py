@@ -87,6 +87,7 @@ def test_lmi_names_map_onto_vllm_engine_arguments() -> None:
 def test_defaults_follow_the_lean_engines_meanings() -> None:
     cpu = engine_kwargs(settings(), CPU, 2048, SMOLLM2_135M)
     assert (cpu["dtype"], cpu["quantization"], cpu["trust_remote_code"]) == ("float32", None, False)
+    assert cpu["enforce_eager"] is False  # option.enforce_eager unset: vLLM's own default (graphs)
     assert cpu["gpu_memory_utilization"] == CPU_MEMORY_FRACTION
     assert "distributed_executor_backend" not in cpu
     cuda = engine_kwargs(settings(), GPUS8, 2048, LLAMA_70B)

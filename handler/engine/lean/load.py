@@ -78,7 +78,7 @@ class LoadOptions:
     kv_memory: KVMemory = KVMemory()
     speculation: SpeculationOptions | None = None
     lora: LoraOptions | None = None   # option.enable_lora: serve LoRA adapters
-    cuda_graphs: bool = True          # on CUDA, decode steps replay recorded graphs (false: option.enforce_eager)
+    cuda_graphs: bool = False         # on CUDA, decode steps replay recorded graphs (option.enforce_eager=false)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[Promp
                           kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
                                              settings.workers, settings.enable_prefix_caching),
                           speculation=speculation_options(settings),
-                          lora=lora_options(settings), cuda_graphs=not settings.enforce_eager)
+                          lora=lora_options(settings), cuda_graphs=settings.enforce_eager is False)
     loaded, parts = load(options, lambda: load_tokenizer(settings.model_dir))
     on_parts(parts, loaded.path, loaded.path_reason)
     log.info("loaded %s on %s (%s%s%s), pid %d", settings.model_dir.name, resolved.device, resolved.dtype,

@@ -1,4 +1,7 @@
-"""CUDA graphs for the lean engine's decode steps (on a GPU; ``option.enforce_eager=true`` runs every step eagerly).
+"""CUDA graphs for the lean engine's decode steps, on a GPU: on with ``option.enforce_eager=false``. Unset, the lean
+engine stays eager: these graphs were written without a GPU to run them on (no machine was lent to that work), and
+``tests/integration/test_cuda_graphs.py`` (``ENGINE_TEST_DEVICE=cuda``) must pass on one before they become the
+default.
 
 Why: a small model's decode step on a GPU is bound by launching its kernels from Python, not by arithmetic
 (measured on an H100 with the embedded 135M model: 16 ms a step for one row, a few hundred kernels of microseconds

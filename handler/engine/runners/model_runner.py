@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, max_slots: int, max_len: int, budget: int,
                  prefix_caching: bool = True, adapters: AdapterStore | None = None, cuda_graphs: bool = False) -> None:
         """``cuda_graphs``: decode steps replay recorded CUDA graphs where the model allows it
-        (``runners.cuda_graphs``; on a GPU, unless option.enforce_eager)."""
+        (``runners.cuda_graphs``; on a GPU, with option.enforce_eager=false)."""
         self.model = model
         self.adapters = adapters      # LoRA adapters (option.enable_lora); the model's Linears are wrapped then
         shape = model.shape
