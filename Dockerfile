@@ -9,7 +9,7 @@ ARG BASE_IMAGE=debian:bookworm
 FROM ${BASE_IMAGE} AS kernel
 RUN apt-get update -qq \
     && apt-get install -y -qq --no-install-recommends gcc libc6-dev libgomp1 python3 >/dev/null
-COPY handler/engine/model/kernels/build.py handler/engine/model/kernels/int8_gemv.c /src/
+COPY handler/engine/model/kernels/build.py handler/engine/model/kernels/*.c /src/
 RUN LLM_KERNEL_CACHE=/opt/kernels python3 /src/build.py
 
 FROM ${BASE_IMAGE}

@@ -96,6 +96,47 @@ def test_int8_decode_row_does_not_depend_on_its_neighbours(int8_model, prompt_id
     assert torch.equal(alone, crowded), (alone - crowded).abs().max()
 
 
+def test_the_fused_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_model, prompt_ids):
+    """The served model (int8) with RMSNorm and the q/k/v split with RoPE in our kernels (``kernels/rms_norm.c``,
+    ``rope.c``) and with torch's ops: a prefill and ten greedy decode steps give the same logits bit for bit, so
+    greedy output is what it was before the kernels."""
+    from functools import partial
+
+    from handler.engine.model.decoder import _rms_norm
+    from handler.engine.model.family import _SCRIPTED
+
+    if int8_model.norm is _rms_norm:
+        pytest.skip("the fused kernels are not taken on this CPU")
+    fused = (int8_model.norm, [layer.split for layer in int8_model.layers])
+    torch_ops = (_rms_norm, [partial(_SCRIPTED["split_and_rotate"], **split.keywords) for split in fused[1]])
+    assert all(split.func is not _SCRIPTED["split_and_rotate"] for split in fused[1])
+
+    def use(norm, splits) -> None:
+        int8_model.norm = norm
+        for layer, split in zip(int8_model.layers, splits, strict=True):
+            layer.split = split
+
+    def generate(norm, splits) -> list[torch.Tensor]:
+        use(norm, splits)
+        cache = int8_model.new_cache(1, 256)
+        cache.ensure(1, 256)
+        n = len(prompt_ids)
+        layout = build_layout([], [(0, 0, n)], 3, int8_model.device)
+        logits = [int8_model.forward(torch.tensor(prompt_ids), torch.arange(n), layout, cache, torch.arange(n))]
+        for position in range(n, n + 10):
+            token = int(logits[-1][-1].argmax())
+            layout = build_layout([position], [], 3, int8_model.device)
+            logits.append(int8_model.forward(torch.tensor([token]), torch.tensor([position]), layout, cache,
+                                             torch.tensor([0])))
+        return logits
+
+    try:
+        ours, theirs = generate(*fused), generate(*torch_ops)
+    finally:
+        use(*fused)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 def test_int8_invariance_holds_on_avx2_kernels_too():
     """The same checks with every kernel library held to AVX2 (no VNNI, no AVX-512), so CI proves both paths on
     whichever CPU it has: fbgemm, ATen's vector kernels, MKL and oneDNN each honour their variable."""
@@ -140,3 +181,52 @@ def test_avx2_kernels_take_the_7_bit_path():
     elif "avx512_vnni" in cpu_flags():
         assert levels == 256  # fbgemm's VNNI kernels (AMX CPUs have them too); AVX-VNNI alone is left to the probe
     assert f"{'8' if levels == 256 else '7'}-bit per-row activations" in describe_cpu()
+
+
+def test_greedy_decoding_with_our_kernels_is_torchs_token_for_token():
+    """The served int8 model decoding three prompts together (prefill, then 24 greedy steps of three rows: the
+    kernels' decode path) in a process with our kernels (int8 Linear, RMSNorm, split and RoPE, KV writes) and in one
+    with ``LLM_INT8_KERNEL=torch`` (every op torch's): the same tokens and the same logits, bit for bit."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("the kernels need AVX2 and FMA")
+    runs = {}
+    for mode in ("auto", "torch"):
+        env = dict(os.environ, LLM_INT8_KERNEL=mode, ENGINE_TEST_DEVICE="cpu")
+        done = subprocess.run([sys.executable, "-c", "from tests.integration.test_model import _greedy_probe; "
+                               "_greedy_probe()"], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[mode] = done.stdout.strip().splitlines()
+    assert runs["auto"][0] == "kernels: True" and runs["torch"][0] == "kernels: False"
+    assert runs["auto"][1:] == runs["torch"][1:]
+
+
+def _greedy_probe() -> None:
+    """``test_greedy_decoding_with_our_kernels_is_torchs_token_for_token``'s subprocess: whether the kernels ran,
+    then each step's tokens and the exact bits of its logits."""
+    import hashlib
+
+    from handler.engine.model.decoder import _rms_norm
+    from handler.engine.model.kernels import int8_kernel
+
+    torch.set_num_threads(2)
+    tokenizer = load_tokenizer(MODEL_DIR)
+    model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
+    smooth_and_quantize(model, calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)))
+    print(f"kernels: {int8_kernel() is not None and model.norm is not _rms_norm}")
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "Write a haiku about rain:",
+                                                   "List three prime numbers:")]
+    cache = model.new_cache(3, 256)
+    cache.ensure(3, 256)
+    tokens = [t for ids in prompts for t in ids]
+    positions = [p for ids in prompts for p in range(len(ids))]
+    ends = list(torch.tensor([len(ids) for ids in prompts]).cumsum(0) - 1)
+    layout = build_layout([], [(slot, 0, len(ids)) for slot, ids in enumerate(prompts)], 3, model.device)
+    logits = model.forward(torch.tensor(tokens), torch.tensor(positions), layout, cache, torch.tensor(ends))
+    lengths = [len(ids) for ids in prompts]
+    for _step in range(24):
+        chosen = logits.argmax(-1).tolist()
+        print(chosen, hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16])
+        layout = build_layout(lengths, [], 3, model.device)
+        logits = model.forward(torch.tensor(chosen), torch.tensor(lengths), layout, cache, torch.arange(3))
+        lengths = [n + 1 for n in lengths]

@@ -27,6 +27,7 @@ from handler.engine.model.family import (
     read_config,
     shape_from_config,
 )
+from handler.engine.model.kernels import fused_rms_norm
 from handler.engine.model.kv_cache import KVCache
 from handler.engine.model.layout import KVStore, StepLayout, with_window
 from handler.engine.model.support import with_family_defaults
@@ -59,6 +60,9 @@ class DecoderModel:
         self.lm_head = build.lm_head(state)
         self.cos, self.sin = build.rope(config)
         self.attention_tokens = attention_tokens(config, self.shape)
+        # RMSNorm: on CPU in fp32 our kernel's one call, the same bits as torch's seven ops (``kernels.rms_norm.c``)
+        fused = fused_rms_norm() if device.type == "cpu" and dtype == torch.float32 else None
+        self.norm = fused or _rms_norm
         self._blocks = (self._sandwich_blocks if self.spec.gemma
                         else self._post_norm_blocks if self.spec.post_norms else self._pre_norm_blocks)
 
@@ -87,7 +91,7 @@ class DecoderModel:
         if self.spec.window is not None and layout.window != self.spec.window:
             with_window(layout, self.spec.window, self.shape.num_heads // self.shape.num_kv_heads)
         x = self._blocks(x, cos, sin, layout, cache)
-        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.final_norm, self.shape.rms_norm_eps)
+        x = self.norm(x[logit_rows], self.final_norm, self.shape.rms_norm_eps)
         if hidden:
             return x.float()
         logits = self.lm_head(x)
@@ -100,10 +104,10 @@ class DecoderModel:
         """The llama block; gpt_oss's layers add sinks to attention and alternate sliding and full attention."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            h = self.norm(x, layer.input_norm, eps)
             x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache,
                                               sliding=layer.sliding, sinks=layer.sinks))
-            x = x + layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
+            x = x + layer.mlp(self.norm(x, layer.post_norm, eps))
         return x
 
     def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
@@ -112,8 +116,8 @@ class DecoderModel:
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
             h = layer.out(self._attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
-            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
-            x = x + F.rms_norm(layer.mlp(x), (x.shape[-1],), layer.mlp_out_norm, eps)
+            x = x + self.norm(h, layer.attn_out_norm, eps)
+            x = x + self.norm(layer.mlp(x), layer.mlp_out_norm, eps)
         return x
 
     def _sandwich_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
@@ -123,12 +127,12 @@ class DecoderModel:
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
             kind = int(layer.sliding)
-            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            h = self.norm(x, layer.input_norm, eps)
             h = layer.out(self._attention(*layer.split(layer.qkv(h), cos[kind], sin[kind]), index, layout, cache,
                                           sliding=layer.sliding))
-            x = x + F.rms_norm(h, (x.shape[-1],), layer.attn_out_norm, eps)
-            h = layer.mlp(F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps))
-            x = x + F.rms_norm(h, (x.shape[-1],), layer.mlp_out_norm, eps)
+            x = x + self.norm(h, layer.attn_out_norm, eps)
+            h = layer.mlp(self.norm(x, layer.post_norm, eps))
+            x = x + self.norm(h, layer.mlp_out_norm, eps)
         return x
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
@@ -180,6 +184,10 @@ class DecoderModel:
         out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.spec.attn_softcap,
                       sinks)
         return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from handler.engine.model.checkpoint import read_tensors
+from handler.engine.model.kernels import int8_kernel
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.model.lora import fold
 from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
@@ -224,7 +225,7 @@ class LayerBuilder:
             weight = state[f"{p}self_attn.o_proj.weight"]
             return weight if residual is None else weight * residual
         heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
-        helpers = _SCRIPTED if self.device.type == "cpu" else _EAGER
+        helpers = _cpu_helpers(self.dtype) if self.device.type == "cpu" else _EAGER
         if q_norm is None:
             split = partial(helpers["split_and_rotate" if use_rope else "split"], **heads)
         else:
@@ -402,3 +403,22 @@ def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 _EAGER = {"split_and_rotate": _split_and_rotate, "split": _split, "split_norm_rotate": _split_norm_rotate,
           "split_head_norm_rotate": _split_head_norm_rotate}
 _SCRIPTED = {name: torch.jit.script(function) for name, function in _EAGER.items()}
+
+
+def _cpu_helpers(dtype: torch.dtype) -> dict:
+    """The scripted helpers; in fp32 with our kernels, the common split and RoPE in one call (``kernels/rope.c``, the
+    same bits)."""
+    kernel = int8_kernel() if dtype == torch.float32 else None
+    if kernel is None:
+        return _SCRIPTED
+    scripted = _SCRIPTED["split_and_rotate"]
+
+    def split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if (qkv.dtype is torch.float32 and cos.dtype is torch.float32 and sin.dtype is torch.float32
+                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == sin.numel() == qkv.shape[0] * head_dim):
+            return kernel.split_rotate(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return scripted(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    return {**_SCRIPTED, "split_and_rotate": split_and_rotate}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from handler.engine.model.kernels import int8_kernel
+
 MIN_SLOTS = 4
 _MIN_LENGTH = 256
 # Attention reads keys in whole blocks of this many positions (``layout.build_layout``), so capacity is a multiple
@@ -29,6 +31,7 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.max_slots, self.max_len = max_slots, whole_blocks(max_len)
         self.keys = self.values = self._empty(0, 0)
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # write_decode's slot indices, by group
 
     def _empty(self, slots: int, length: int) -> torch.Tensor:
         layers, heads, dim = self.dims
@@ -91,7 +94,16 @@ class KVCache:
                      positions: torch.Tensor) -> None:
         """k, v: ``[count, kv_heads, head_dim]`` for the group's slots at ``positions[i]``."""
         first, count = group
-        slots = torch.arange(first, first + count, device=k.device)
+        if k.device.type == "cpu" and (kernel := int8_kernel()) is not None and \
+                kernel.kv_write(self.keys[layer], self.values[layer], first, k, v, positions):
+            return
+        # the slot indices, made once per group rather than per layer and step; on CUDA each time (a tensor made
+        # while a graph records holds no values until the graph is replayed)
+        slots = self._slots.get(group) if k.device.type == "cpu" else None
+        if slots is None:
+            slots = torch.arange(first, first + count, device=k.device)
+            if k.device.type == "cpu":
+                self._slots[group] = slots
         self.keys[layer][slots, :, positions] = k
         self.values[layer][slots, :, positions] = v
 

@@ -1,4 +1,6 @@
-"""The lean engine's own CPU kernel: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``).
+"""The lean engine's own CPU kernels: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``),
+RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), and a decode
+step's KV writes (``kv_cache.c``).
 
 Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
 more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
@@ -41,6 +43,16 @@ class Int8Kernel:
         self.lib.int8_split_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer,
                                                pointer, integer, pointer, pointer]
         self.lib.int8_split_linear.restype = integer
+        self.lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, pointer, ctypes.c_float, integer,
+                                           pointer]
+        self.lib.rms_norm_rows.restype = integer
+        self.lib.split_rotate_rows.argtypes = [pointer, ctypes.c_int64, integer, integer, integer, pointer, pointer,
+                                               pointer]
+        self.lib.split_rotate_rows.restype = None
+        self.lib.kv_write_rows.argtypes = [pointer, pointer, ctypes.c_int64, ctypes.c_int64, integer, integer,
+                                           ctypes.c_int64, ctypes.c_int64, pointer, pointer, ctypes.c_int64, pointer,
+                                           ctypes.c_int64]
+        self.lib.kv_write_rows.restype = integer
         self.codes = torch.empty(0, dtype=torch.uint8)
 
     def split_linear(self, x: torch.Tensor, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor,
@@ -56,6 +68,45 @@ class Int8Kernel:
                                    row_sums.data_ptr(), None if bias is None else bias.data_ptr(), n,
                                    self.codes.data_ptr(), y.data_ptr())
         return y
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
+        """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
+        the width of torch's float vectors, whose sum order it follows)."""
+        y = torch.empty_like(x)
+        self.lib.rms_norm_rows(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, lanes, y.data_ptr())
+        return y
+
+
+    def split_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``family._split_and_rotate``'s q, k and v, the same bits, in one call (``rope.c``): ``qkv`` ``[rows,
+        (heads + 2 kv_heads) * head_dim]``, ``cos`` and ``sin`` ``rows * head_dim`` values, all fp32 contiguous."""
+        rows = qkv.shape[0]
+        qk = torch.empty(rows, num_heads + num_kv_heads, head_dim)
+        self.lib.split_rotate_rows(qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+                                   sin.data_ptr(), qk.data_ptr())
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+    def kv_write(self, keys: torch.Tensor, values: torch.Tensor, first: int, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> bool:
+        """Row ``i`` of ``k`` and ``v`` (``[count, kv_heads, dim]``) into slot ``first + i`` of one layer's ``keys``
+        and ``values`` (``[slots, kv_heads, capacity, dim]``) at ``positions[i]``, as plain copies (``kv_cache.c``).
+        False, writing nothing, where the tensors are not laid out for it (fp32, contiguous heads); IndexError for a
+        slot or position outside the cache, as torch's indexing."""
+        count, heads, dim = k.shape
+        if not (k.dtype is v.dtype is keys.dtype is torch.float32 and keys.is_contiguous() and values.is_contiguous()
+                and k.stride()[1:] == v.stride()[1:] == (dim, 1) and positions.dtype is torch.int64
+                and positions.is_contiguous() and v.shape == k.shape and positions.numel() == count):
+            return False
+        slots, _heads, capacity, _dim = keys.shape
+        if self.lib.kv_write_rows(keys.data_ptr(), values.data_ptr(), slots, capacity, heads, dim, first, count,
+                                  positions.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0)) != 0:
+            raise IndexError(f"KV write outside the cache: slots {first}..{first + count - 1} of {slots}, positions "
+                             f"{positions.tolist()} of {capacity}")
+        return True
 
 
 _KERNEL: Int8Kernel | None = None
@@ -93,3 +144,55 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+# rows this wide or wider: torch may split one row's sum between threads (its reductions split above 32768
+# elements), which ``rms_norm.c`` does not follow; narrower than 16: torch sums them as scalars
+_NORM_WIDTHS = range(16, 32768)
+_NORM: object = None  # fused_rms_norm's answer, once decided (False: torch's)
+
+
+def fused_rms_norm():
+    """``norm(x, weight, eps)``: torch's CPU ``rms_norm`` of fp32 rows, bit for bit, in one kernel call (the torch
+    op where the kernel does not apply: another dtype or width, a non-contiguous row); None where the kernel
+    cannot run or does not reproduce torch here. Decided once per process: the kernel's sums follow torch's for its
+    float vector width (8 lanes under torch's AVX2 kernels, 16 under AVX-512), checked on random rows against
+    torch's own op before it is used, so a CPU whose torch sums differently keeps torch's op (one log line)."""
+    global _NORM
+    with _FIRST_USE:
+        decided = _NORM
+    if decided is not None:
+        return decided or None
+    kernel = int8_kernel()
+    lanes = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    chosen = False
+    if kernel is not None:
+        def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            if (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] in _NORM_WIDTHS
+                    and weight.dtype is torch.float32 and weight.is_contiguous()):
+                return kernel.rms_norm(x, weight, eps, lanes)
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+        mismatch = _norm_mismatch(norm)
+        if mismatch is None:
+            chosen = norm
+        else:
+            log.warning("RMSNorm: the fused kernel's sums differ from torch's on this CPU (%s; torch's vectors: %s); "
+                        "torch's op runs", mismatch, torch.backends.cpu.get_cpu_capability())
+    with _FIRST_USE:
+        _NORM = chosen
+    return chosen or None
+
+
+def _norm_mismatch(norm) -> str | None:
+    """Where ``norm`` differs from torch's ``rms_norm`` on seeded random rows (widths, scales and row counts of
+    real models and odd ones), else None."""
+    generator = torch.Generator().manual_seed(0)
+    for width in (16, 64, 100, 576, 600, 896, 1536, 2048, 3072, 4096, 5120, 8192):
+        for scale in (1e-3, 1.0, 30.0):
+            x = torch.randn(3, width, generator=generator) * scale
+            weight = torch.randn(width, generator=generator)
+            expected = torch.nn.functional.rms_norm(x, (width,), weight, 1e-6)
+            if not torch.equal(norm(x, weight, 1e-6), expected):
+                return f"width {width}, scale {scale}"
+    return None

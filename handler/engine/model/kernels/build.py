@@ -1,6 +1,7 @@
-"""Compile ``int8_gemv.c`` into the kernel cache (standard library only, so an image's build stage can run it as a
-file: ``python3 handler/engine/model/kernels/build.py`` prints the library's path). The library's name carries a
-digest of its source and flags, so a changed kernel is never served from a stale build."""
+"""Compile the kernels' C files beside this one (``int8_gemv.c``, ``rms_norm.c``) into one library in the kernel
+cache (standard library only, so an image's build stage can run it as a file: ``python3
+handler/engine/model/kernels/build.py`` prints the library's path). The library's name carries a digest of its
+sources and flags, so a changed kernel is never served from a stale build."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("int8_gemv.c")
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -22,8 +23,8 @@ def cache_dir() -> Path:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"int8_gemv-{digest}.so"
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode())
+    return cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -39,7 +40,7 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.is_file():
             partial = target.with_suffix(f".{os.getpid()}.tmp")
-            result = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            result = subprocess.run([compiler, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 raise OSError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
