@@ -88,58 +88,63 @@ static void run_channels(const job_t *job, int first, int last) {
     }
 }
 
-/* One row against four channels (a lone stream's decode step): their eight sums reduce in one tree, and the float
- * epilogue runs on four lanes, each lane the same IEEE operations in the same order as run_channels' scalar ones, so
- * the bits are the same. Per channel, the reduction and the epilogue had cost about what its 576 products cost. */
-static inline __attribute__((always_inline)) void one_row_sums(const int8_t *w, const uint8_t *high,
-                                                               const uint8_t *low, int body, __m256i *h, __m256i *l) {
+/* A few rows (a decode step of 1-3 streams) against four channels: their sums reduce in one tree per row half, and
+ * the float epilogue runs on four lanes, each lane the same IEEE operations in the same order as run_channels' scalar
+ * ones, so the bits are the same. Per channel, the reduction and the epilogue had cost about what its 576 products
+ * cost. Channel after channel: the weights stream in order, as the hardware prefetcher wants (reading the four
+ * channels' rows side by side was slower from memory, measured: the head 2.3 -> 3.8 ms). ``rows`` is a constant in
+ * each copy (always inlined), so a channel's accumulators stay in registers. */
+#define GROUP_ROWS 3
+static inline __attribute__((always_inline)) void four_channels_rows(const job_t *job, int c, const int rows) {
+    const int k = job->k, body = k & ~31;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i sh = _mm256_setzero_si256(), sl = sh;
-    for (int j = 0; j < body; j += 32) {
-        _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + j));
-        sh = _mm256_add_epi32(sh, dot32(wv, _mm256_loadu_si256((const __m256i *)(high + j)), ones));
-        sl = _mm256_add_epi32(sl, dot32(wv, _mm256_loadu_si256((const __m256i *)(low + j)), ones));
+    __m256i sums[4][2 * GROUP_ROWS];
+    for (int q = 0; q < 4; q++) {
+        const int8_t *w = job->weight + (size_t)(c + q) * k;
+        __m256i acc[2 * GROUP_ROWS];
+        for (int i = 0; i < 2 * rows; i++) acc[i] = _mm256_setzero_si256();
+        for (int j = 0; j < body; j += 32) {
+            _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + j));
+            for (int i = 0; i < 2 * rows; i++)
+                acc[i] = _mm256_add_epi32(acc[i], dot32(wv, _mm256_loadu_si256((const __m256i *)(job->codes +
+                                                                                              (size_t)i * k + j)), ones));
+        }
+        for (int i = 0; i < 2 * rows; i++) sums[q][i] = acc[i];
     }
-    *h = sh;
-    *l = sl;
+    const __m128i offset = _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(job->col_sums + c)), 6);  /* 64 * */
+    const __m128 scale = _mm_loadu_ps(job->scales + c), row_sums = _mm_loadu_ps(job->row_sums + c);
+    for (int r = 0; r < rows; r++) {
+        __m128i raw[2];
+        for (int half = 0; half < 2; half++) {
+            const int i = 2 * r + half;
+            /* the four channels' sums, exact whatever the order: [c, c+1, c+2, c+3] */
+            const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0][i], sums[1][i]),
+                                                _mm256_hadd_epi32(sums[2][i], sums[3][i]));
+            raw[half] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            if (body < k) {
+                const uint8_t *codes = job->codes + (size_t)i * k;
+                int32_t tail[4] = {0, 0, 0, 0};
+                for (int q = 0; q < 4; q++)
+                    for (int j = body; j < k; j++) tail[q] += (int32_t)job->weight[(size_t)(c + q) * k + j] * codes[j];
+                raw[half] = _mm_add_epi32(raw[half], _mm_loadu_si128((const __m128i *)tail));
+            }
+        }
+        const __m128 hi = _mm_mul_ps(_mm_cvtepi32_ps(_mm_sub_epi32(raw[0], offset)), scale);
+        const __m128 lo = _mm_mul_ps(_mm_cvtepi32_ps(_mm_sub_epi32(raw[1], offset)), scale);
+        __m128 y = _mm_mul_ps(_mm_add_ps(_mm_mul_ps(hi, _mm_set1_ps(128.0f)), lo), _mm_set1_ps(job->step[r]));
+        y = _mm_fmadd_ps(_mm_set1_ps(job->centre[r]), row_sums, y);
+        if (job->bias) y = _mm_add_ps(y, _mm_loadu_ps(job->bias + c));
+        _mm_storeu_ps(job->y + (size_t)r * job->n + c, y);
+    }
 }
 
 static void four_channels(const job_t *job, int c) {
-    const int k = job->k, body = k & ~31;
-    const int8_t *w0 = job->weight + (size_t)c * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-    const uint8_t *high = job->codes, *low = job->codes + k;
-    /* channel after channel: the weights stream in order, as the hardware prefetcher wants (reading the four
-     * channels' rows side by side was slower from memory, measured: the head 2.3 -> 3.8 ms) */
-    __m256i h0, h1, h2, h3, l0, l1, l2, l3;
-    one_row_sums(w0, high, low, body, &h0, &l0);
-    one_row_sums(w1, high, low, body, &h1, &l1);
-    one_row_sums(w2, high, low, body, &h2, &l2);
-    one_row_sums(w3, high, low, body, &h3, &l3);
-    /* the four channels' sums, exact whatever the order: [c, c+1, c+2, c+3] */
-    __m256i th = _mm256_hadd_epi32(_mm256_hadd_epi32(h0, h1), _mm256_hadd_epi32(h2, h3));
-    __m256i tl = _mm256_hadd_epi32(_mm256_hadd_epi32(l0, l1), _mm256_hadd_epi32(l2, l3));
-    __m128i raw_h = _mm_add_epi32(_mm256_castsi256_si128(th), _mm256_extracti128_si256(th, 1));
-    __m128i raw_l = _mm_add_epi32(_mm256_castsi256_si128(tl), _mm256_extracti128_si256(tl, 1));
-    if (body < k) {
-        int32_t tail_h[4] = {0, 0, 0, 0}, tail_l[4] = {0, 0, 0, 0};
-        const int8_t *ws[4] = {w0, w1, w2, w3};
-        for (int q = 0; q < 4; q++)
-            for (int j = body; j < k; j++) {
-                tail_h[q] += (int32_t)ws[q][j] * high[j];
-                tail_l[q] += (int32_t)ws[q][j] * low[j];
-            }
-        raw_h = _mm_add_epi32(raw_h, _mm_loadu_si128((const __m128i *)tail_h));
-        raw_l = _mm_add_epi32(raw_l, _mm_loadu_si128((const __m128i *)tail_l));
+    switch (job->rows) {
+    case 1: four_channels_rows(job, c, 1); break;
+    case 2: four_channels_rows(job, c, 2); break;
+    default: four_channels_rows(job, c, 3); break;
     }
-    const __m128i offset = _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(job->col_sums + c)), 6);  /* 64 * */
-    const __m128 scale = _mm_loadu_ps(job->scales + c);
-    const __m128 hi = _mm_mul_ps(_mm_cvtepi32_ps(_mm_sub_epi32(raw_h, offset)), scale);
-    const __m128 lo = _mm_mul_ps(_mm_cvtepi32_ps(_mm_sub_epi32(raw_l, offset)), scale);
-    __m128 y = _mm_mul_ps(_mm_add_ps(_mm_mul_ps(hi, _mm_set1_ps(128.0f)), lo), _mm_set1_ps(job->step[0]));
-    y = _mm_fmadd_ps(_mm_set1_ps(job->centre[0]), _mm_loadu_ps(job->row_sums + c), y);
-    if (job->bias) y = _mm_add_ps(y, _mm_loadu_ps(job->bias + c));
-    _mm_storeu_ps(job->y + c, y);
 }
 
 /* Per row: the 14-bit grid (step, centre) and the two 7-bit halves of each activation, as linear.py computes them */
@@ -184,7 +189,7 @@ int int8_split_linear(const float *x, int rows, int k, const int8_t *weight, con
     for (int b = 0; b < blocks; b++) {
         const int first = b * 8, last = first + 8 < n ? first + 8 : n;
         int c = first;
-        if (rows == 1)
+        if (rows <= GROUP_ROWS)
             for (; c + 4 <= last; c += 4) four_channels(&job, c);
         run_channels(&job, c, last);
     }
