@@ -88,20 +88,19 @@ static void run_channels(const job_t *job, int first, int last) {
     }
 }
 
-/* A few rows (a decode step of 1-3 streams) against four channels: their sums reduce in one tree per row half, and
+/* A decode step's rows (up to MAX_ROWS streams) against four channels: their sums reduce in one tree per row half, and
  * the float epilogue runs on four lanes, each lane the same IEEE operations in the same order as run_channels' scalar
  * ones, so the bits are the same. Per channel, the reduction and the epilogue had cost about what its 576 products
  * cost. Channel after channel: the weights stream in order, as the hardware prefetcher wants (reading the four
  * channels' rows side by side was slower from memory, measured: the head 2.3 -> 3.8 ms). ``rows`` is a constant in
  * each copy (always inlined), so a channel's accumulators stay in registers. */
-#define GROUP_ROWS 3
 static inline __attribute__((always_inline)) void four_channels_rows(const job_t *job, int c, const int rows) {
     const int k = job->k, body = k & ~31;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i sums[4][2 * GROUP_ROWS];
+    __m256i sums[4][2 * MAX_ROWS];
     for (int q = 0; q < 4; q++) {
         const int8_t *w = job->weight + (size_t)(c + q) * k;
-        __m256i acc[2 * GROUP_ROWS];
+        __m256i acc[2 * MAX_ROWS];
         for (int i = 0; i < 2 * rows; i++) acc[i] = _mm256_setzero_si256();
         for (int j = 0; j < body; j += 32) {
             _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
@@ -143,7 +142,12 @@ static void four_channels(const job_t *job, int c) {
     switch (job->rows) {
     case 1: four_channels_rows(job, c, 1); break;
     case 2: four_channels_rows(job, c, 2); break;
-    default: four_channels_rows(job, c, 3); break;
+    case 3: four_channels_rows(job, c, 3); break;
+    case 4: four_channels_rows(job, c, 4); break;
+    case 5: four_channels_rows(job, c, 5); break;
+    case 6: four_channels_rows(job, c, 6); break;
+    case 7: four_channels_rows(job, c, 7); break;
+    default: four_channels_rows(job, c, 8); break;
     }
 }
 
@@ -189,8 +193,7 @@ int int8_split_linear(const float *x, int rows, int k, const int8_t *weight, con
     for (int b = 0; b < blocks; b++) {
         const int first = b * 8, last = first + 8 < n ? first + 8 : n;
         int c = first;
-        if (rows <= GROUP_ROWS)
-            for (; c + 4 <= last; c += 4) four_channels(&job, c);
+        for (; c + 4 <= last; c += 4) four_channels(&job, c);
         run_channels(&job, c, last);
     }
     return 0;
