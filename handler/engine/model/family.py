@@ -396,7 +396,7 @@ def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 # What a layer's ``split`` calls: on CPU the scripted helpers (no Python dispatch per op); on a GPU the plain ones,
-# whose kernels are torch's own from the first call on. TorchScript's GPU fuser replaces a function's ops by one
+# whose kernels are torch's own from the first call on. TorchScript's GPU fuser can replace a function's ops by one
 # generated kernel after its first profiled calls, which rounds bf16 differently (its intermediates stay fp32):
 # the same request's tokens could then differ between the first calls and later ones, and a CUDA graph recorded
 # after them (``runners.cuda_graphs``) from what an eager step computes. A graphed decode step pays no dispatch.

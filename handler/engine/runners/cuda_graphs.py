@@ -15,8 +15,8 @@ and the key length in whole KEY_BLOCKs (a row's attention reads whole blocks, so
 positions). That first step runs eagerly on the recording stream (its result is the step's), then the same
 function is recorded; later steps of the shape copy their tokens and positions into the graph's input buffer and
 replay it. The masks are computed inside the graph from the positions (``layout.decode_layout``). A replay
-launches the very kernels the eager step launches, on the same shapes, so its logits are the eager step's, bit
-for bit (``tests/integration/test_cuda_graphs.py``).
+launches the very kernels the eager step launches, on the same shapes, so its logits should be the eager step's, bit
+for bit: ``tests/integration/test_cuda_graphs.py`` checks that on a GPU.
 
 Memory: the graphs share one memory pool (replays never overlap: the engine thread runs one step at a time), so
 what they hold beside their inputs is about one step's activations; every graph writes its logits into one
