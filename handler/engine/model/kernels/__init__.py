@@ -70,14 +70,12 @@ class Int8Kernel:
                                    self.codes.data_ptr(), y.data_ptr())
         return y
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
         the width of torch's float vectors, whose sum order it follows)."""
         y = torch.empty_like(x)
         self.lib.rms_norm_rows(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, lanes, y.data_ptr())
         return y
-
 
     def split_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +87,6 @@ class Int8Kernel:
                                    sin.data_ptr(), qk.data_ptr())
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
         return qk[:, :num_heads], qk[:, num_heads:], v
-
 
     def kv_write(self, keys: torch.Tensor, values: torch.Tensor, first: int, k: torch.Tensor, v: torch.Tensor,
                  positions: torch.Tensor) -> bool:
