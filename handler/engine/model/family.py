@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -405,6 +405,7 @@ _EAGER = {"split_and_rotate": _split_and_rotate, "split": _split, "split_norm_ro
 _SCRIPTED = {name: torch.jit.script(function) for name, function in _EAGER.items()}
 
 
+@cache
 def _cpu_helpers(dtype: torch.dtype) -> dict:
     """The scripted helpers; in fp32 with our kernels, the common split and RoPE in one call (``kernels/rope.c``, the
     same bits)."""

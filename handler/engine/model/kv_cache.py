@@ -32,6 +32,7 @@ class KVCache:
         self.max_slots, self.max_len = max_slots, whole_blocks(max_len)
         self.keys = self.values = self._empty(0, 0)
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # write_decode's slot indices, by group
+        self._kernel = int8_kernel() if device.type == "cpu" else None  # write_decode's copies (``kv_cache.c``)
 
     def _empty(self, slots: int, length: int) -> torch.Tensor:
         layers, heads, dim = self.dims
@@ -94,8 +95,8 @@ class KVCache:
                      positions: torch.Tensor) -> None:
         """k, v: ``[count, kv_heads, head_dim]`` for the group's slots at ``positions[i]``."""
         first, count = group
-        if k.device.type == "cpu" and (kernel := int8_kernel()) is not None and \
-                kernel.kv_write(self.keys[layer], self.values[layer], first, k, v, positions):
+        if self._kernel is not None and self._kernel.kv_write(self.keys[layer], self.values[layer], first, k, v,
+                                                              positions):
             return
         # the slot indices, made once per group rather than per layer and step; on CUDA each time (a tensor made
         # while a graph records holds no values until the graph is replayed)

@@ -57,7 +57,6 @@ def why_eager(model: DecoderModel) -> str | None:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor      # [2, rows] long on the device: the step's tokens, then their positions
-    rows: int
 
 
 class DecodeGraphs:
@@ -98,7 +97,7 @@ class DecodeGraphs:
             step()
         torch.cuda.current_stream(self.model.device).wait_stream(self.stream)
         if self.disabled is None:
-            self._record(key, step, inputs, rows)
+            self._record(key, step, inputs)
         return self.logits[:rows]
 
     def _step(self, inputs: torch.Tensor, handle: tuple, length: int, rows: int):
@@ -111,7 +110,7 @@ class DecodeGraphs:
             self.logits[:rows].copy_(model.forward(tokens, positions, layout, self.space, logit_rows))
         return step
 
-    def _record(self, key: tuple, step, inputs: torch.Tensor, rows: int) -> None:
+    def _record(self, key: tuple, step, inputs: torch.Tensor) -> None:
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end rather than ``torch.cuda.graph``, which empties the allocator's cache at every
         # recording (the eager steps after it would allocate their memory from the driver again); "thread_local":
@@ -129,7 +128,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.model.device)
             self.graphs.clear()
             return
-        self.graphs[key] = _Graph(graph, inputs, rows)
+        self.graphs[key] = _Graph(graph, inputs)
         self.num_recorded += 1
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)

@@ -16,6 +16,7 @@ forces it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -147,39 +148,32 @@ def cpu_flags() -> set[str]:
 # rows this wide or wider: torch may split one row's sum between threads (its reductions split above 32768
 # elements), which ``rms_norm.c`` does not follow; narrower than 16: torch sums them as scalars
 _NORM_WIDTHS = range(16, 32768)
-_NORM: object = None  # fused_rms_norm's answer, once decided (False: torch's)
 
 
+@functools.cache
 def fused_rms_norm():
     """``norm(x, weight, eps)``: torch's CPU ``rms_norm`` of fp32 rows, bit for bit, in one kernel call (the torch
     op where the kernel does not apply: another dtype or width, a non-contiguous row); None where the kernel
     cannot run or does not reproduce torch here. Decided once per process: the kernel's sums follow torch's for its
     float vector width (8 lanes under torch's AVX2 kernels, 16 under AVX-512), checked on random rows against
     torch's own op before it is used, so a CPU whose torch sums differently keeps torch's op (one log line)."""
-    global _NORM
-    with _FIRST_USE:
-        decided = _NORM
-    if decided is not None:
-        return decided or None
     kernel = int8_kernel()
+    if kernel is None:
+        return None
     lanes = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
-    chosen = False
-    if kernel is not None:
-        def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            if (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] in _NORM_WIDTHS
-                    and weight.dtype is torch.float32 and weight.is_contiguous()):
-                return kernel.rms_norm(x, weight, eps, lanes)
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
-        mismatch = _norm_mismatch(norm)
-        if mismatch is None:
-            chosen = norm
-        else:
-            log.warning("RMSNorm: the fused kernel's sums differ from torch's on this CPU (%s; torch's vectors: %s); "
-                        "torch's op runs", mismatch, torch.backends.cpu.get_cpu_capability())
-    with _FIRST_USE:
-        _NORM = chosen
-    return chosen or None
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] in _NORM_WIDTHS
+                and weight.dtype is torch.float32 and weight.is_contiguous()):
+            return kernel.rms_norm(x, weight, eps, lanes)
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    mismatch = _norm_mismatch(norm)
+    if mismatch is None:
+        return norm
+    log.warning("RMSNorm: the fused kernel's sums differ from torch's on this CPU (%s; torch's vectors: %s); "
+                "torch's op runs", mismatch, torch.backends.cpu.get_cpu_capability())
+    return None
 
 
 def _norm_mismatch(norm) -> str | None:
