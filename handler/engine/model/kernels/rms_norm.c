@@ -5,10 +5,11 @@
  *
  * Why the bits are the same: every step but the sum is one IEEE float operation, as torch performs it. The sum
  * follows ATen's float sum for a contiguous row (SumKernel.cpp: vectorized_inner_sum, row_sum's four interleaved
- * partial sums, multi_row_sum's four-level cascade) over vectors of ``lanes`` floats, the width of ATen's
- * Vectorized<float> on this CPU (8 under its AVX2 kernels, 16 under AVX-512), with each vector add done lane by
- * lane. kernels/__init__.py checks this against torch on random rows before it is used, and
- * tests/unit/test_int8_kernel.py over many widths and scales.
+ * partial sums, multi_row_sum's four-level cascade) over vectors of ``lanes`` floats, the width of the
+ * Vectorized<float> that torch's sum runs (8 under its AVX2 kernels, and measured 8 on an AVX-512 machine too; 16
+ * would be an AVX-512 sum), with each vector add done lane by lane. kernels/__init__.py takes the width whose norms
+ * equal torch's on random rows before it is used, and tests/unit/test_step_kernels.py checks many widths and
+ * scales.
  *
  * Built with -ffp-contract=off: no multiply-add is contracted.
  */
