@@ -28,7 +28,7 @@ from handler.engine.model.family import (
     shape_from_config,
 )
 from handler.engine.model.kernels import fused_rms_norm
-from handler.engine.model.kv_cache import KVCache
+from handler.engine.model.kv_cache import KEY_BLOCK, KVCache
 from handler.engine.model.layout import KVStore, StepLayout, with_window
 from handler.engine.model.support import with_family_defaults
 
@@ -152,7 +152,7 @@ class DecoderModel:
         for (slot, start, length), mask in zip(layout.prefill_blocks, prefill_masks, strict=True):
             block = slice(row, row + length)
             cache.write_prefill(layer, slot, start, k[block], v[block])
-            out[block] = self._prefill_attention(q[block], layer, slot, mask.shape[-1], mask, cache, sinks)
+            out[block] = self._prefill_attention(q[block], layer, slot, start, mask, cache, sinks)
             row += length
         return out
 
@@ -173,17 +173,22 @@ class DecoderModel:
             out = _attend(q, keys, values, mask, self.spec.attn_softcap, sinks)
         return out.reshape(n, s.num_heads * s.head_dim)
 
-    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, length: int, mask: torch.Tensor,
+    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, start: int, mask: torch.Tensor,
                            cache: KVStore, sinks: torch.Tensor | None) -> torch.Tensor:
+        """One prefill block's queries (positions ``start..start+t``, inside one KEY_BLOCK) as rows ``start %
+        KEY_BLOCK..`` of the whole KEY_BLOCK's, the other rows zero (``StepLayout``: why)."""
         t, s = q.shape[0], self.shape
         groups = s.num_heads // s.num_kv_heads
-        keys, values = cache.prefill_view(layer, slot, length)  # [1, kv_heads, length, head_dim]
-        q = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)  # [kv_heads, groups, t, head_dim]
-        if sinks is not None:  # one per query row: [kv_heads, groups * t, 1], (group, t) order
-            sinks = sinks.expand(-1, -1, t).reshape(s.num_kv_heads, groups * t, 1)
-        out = _attend(q.reshape(1, s.num_kv_heads, groups * t, s.head_dim), keys, values, mask, self.spec.attn_softcap,
-                      sinks)
-        return out.view(s.num_kv_heads, groups, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, -1)
+        keys, values = cache.prefill_view(layer, slot, mask.shape[-1])  # [1, kv_heads, length, head_dim]
+        offset = start % KEY_BLOCK
+        rows = q.new_zeros(s.num_kv_heads, groups, KEY_BLOCK, s.head_dim)
+        rows[:, :, offset:offset + t] = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)
+        if sinks is not None:  # one per query row: [kv_heads, groups * KEY_BLOCK, 1], (group, t) order
+            sinks = sinks.expand(-1, -1, KEY_BLOCK).reshape(s.num_kv_heads, groups * KEY_BLOCK, 1)
+        out = _attend(rows.view(1, s.num_kv_heads, groups * KEY_BLOCK, s.head_dim), keys, values, mask,
+                      self.spec.attn_softcap, sinks)
+        out = out.view(s.num_kv_heads, groups, KEY_BLOCK, s.head_dim)[:, :, offset:offset + t]
+        return out.permute(2, 0, 1, 3).reshape(t, -1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,13 +37,19 @@ class StepLayout:
     ``KVCache``); then come the prefill chunks, each ``(slot, start, length)`` with its tokens at consecutive
     positions, cut into ``prefill_blocks`` that never cross a multiple of KEY_BLOCK. ``decode_masks`` are one
     ``[count, 1, 1, L]`` per group (L: the group's longest row, in whole KEY_BLOCKs), the ``prefill_masks`` one
-    ``[1, 1, G*length, K]`` per block (G query heads share a KV head), K the block's end rounded up to whole
-    KEY_BLOCKs.
+    ``[1, 1, G*KEY_BLOCK, K]`` per block (G query heads share a KV head), K the block's end rounded up to whole
+    KEY_BLOCKs; its rows are every position of the KEY_BLOCK the block lies in, whichever of them the block holds.
 
     Why blocks: a query's attention is computed over exactly the keys its own position decides (whole blocks up to
     its block's end), so it is the same number whether its prompt is prefilled whole, in chunks, or after a cached
     prefix, and whatever else is in the step (measured: keys read up to the chunk's end made a prefix's rows
-    differ between a 24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart).
+    differ between a 24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart). Why whole
+    KEY_BLOCKs of query rows: a CPU GEMM's result for one row can depend on how many rows are beside it and where
+    the row falls among them (MKL's sgemm, measured on an Intel AVX-512 machine held to AVX2 as Intel AVX2 CPUs run
+    it: q k^T of a row differed between 39 and 111 rows, and a 37-token prompt's last 13 logits rows between
+    whole and after a 24-token prefix). The decoder computes each block as all KEY_BLOCK positions (the ones it
+    lacks as zero rows) with each query at row ``position % KEY_BLOCK``: every position's attention is the same
+    shapes at the same row however the prompt was cut.
 
     ``window_decode_masks`` / ``window_prefill_masks``: the same shapes for a model's sliding-window layers (a query
     at ``p`` sees keys in ``(p - window, p]``), None until a model with such layers needs them (``with_window``).
@@ -115,10 +121,11 @@ def _masks(decode_positions: list[int], positions: torch.Tensor, decode_groups: 
         decode_masks.append(_additive(_allowed(keys, rows, window)).view(count, 1, 1, -1))
         row += count
     masks = []
-    for _slot, start, length in blocks:
-        query_pos = torch.arange(start, start + length, device=device).repeat(groups)  # (group, t) order
+    for _slot, start, length in blocks:  # the whole KEY_BLOCK of query positions the block lies in (StepLayout)
+        first = start - start % KEY_BLOCK
+        query_pos = torch.arange(first, first + KEY_BLOCK, device=device).repeat(groups)  # (group, t) order
         keys = torch.arange(whole_blocks(start + length), device=device)
-        masks.append(_additive(_allowed(keys, query_pos, window)).view(1, 1, groups * length, -1))
+        masks.append(_additive(_allowed(keys, query_pos, window)).view(1, 1, groups * KEY_BLOCK, -1))
     return decode_masks, masks
 
 
