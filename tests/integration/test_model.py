@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_int8_rows_do_not_depend_on_their_neighbours(int8_model, tokenizer, prom
     n = len(prompt_ids)
     for cuts in ([24], [1], [n - 1], [5, 6, 20], [3, 11, 30]):
         bounds = [0, *cuts, n]
-        split = prefill(int8_model, [prompt_ids[a:b] for a, b in zip(bounds, bounds[1:])])  # the prefix cache's path
+        split = prefill(int8_model, [prompt_ids[a:b] for a, b in itertools.pairwise(bounds)])  # the prefix cache's path
         assert torch.equal(whole[cuts[-1]:], split), cuts
 
 

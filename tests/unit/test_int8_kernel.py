@@ -29,11 +29,25 @@ def torch_path(layer: Int8DynamicLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y.add_(layer.bias)
 
 
-@pytest.fixture(scope="module")
-def kernel() -> kernels.Int8Kernel:
+def _isas() -> list[str]:
+    """The kernel's sums this CPU can run: AVX2's everywhere, AVX-512 VNNI's where it has them."""
+    flags = kernels.cpu_flags()
+    return ["avx2"] + (["avx512_vnni"] if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags else [])
+
+
+@pytest.fixture(scope="module", params=_isas())
+def kernel(request) -> kernels.Int8Kernel:
+    """The kernel with each of its integer sums in turn; every test below must hold for each."""
     found = kernels.int8_kernel()
     assert found is not None, "the kernel did not build on a CPU with AVX2 and FMA"
-    return found
+    started_with = found.vnni
+    assert found.use_vnni(request.param == "avx512_vnni") == (request.param == "avx512_vnni")
+    yield found
+    found.use_vnni(started_with)
+
+
+def test_the_kernel_takes_vnni_where_the_cpu_has_it() -> None:
+    assert kernels.int8_kernel().vnni == ("avx512_vnni" in _isas())
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
@@ -69,3 +83,32 @@ def test_constant_and_tiny_rows(kernel) -> None:
                               split=True)
     x = torch.stack([torch.full((96,), 0.25), torch.randn(96, generator=generator) * 1e-8, torch.zeros(96)])
     assert torch.equal(layer(x), torch_path(layer, x))
+
+
+def test_fbgemm_packing_waits_and_the_kernel_serves_long_batches_meanwhile(kernel) -> None:
+    """A kernel layer is made without fbgemm's packed weights (a start's load leaves them until the engine is
+    ready): meanwhile the kernel takes every row count in blocks of its rows, and the answers are fbgemm's bits,
+    before and after ``pack_deferred`` packs it."""
+    from handler.engine.model.linear import pack_deferred
+
+    generator = torch.Generator().manual_seed(11)
+    layer = Int8DynamicLinear(torch.randn(960, 576, generator=generator) * 0.05, torch.randn(960, generator=generator),
+                              split=True)
+    assert layer._packed is None
+    x = rows_with_outliers(3 * kernels.KERNEL_ROWS + 5, 576, generator)
+    waiting = layer(x)
+    assert layer._packed is None, "the long batch packed it"
+    assert pack_deferred() >= 1 and layer._packed is not None
+    assert torch.equal(layer(x), waiting)
+    assert torch.equal(torch_path(layer, x), waiting)
+
+
+def test_a_layer_made_from_kept_sums_is_the_same_layer(kernel) -> None:
+    """``packed.save`` keeps each layer's sums and a start reads them instead of computing them: the same numbers."""
+    generator = torch.Generator().manual_seed(12)
+    layer = Int8DynamicLinear(torch.randn(576, 1536, generator=generator) * 0.05, None, split=True)
+    again = Int8DynamicLinear.from_int8(*layer.int8_weight(), None, split=True, sums=layer.sums())
+    fresh = Int8DynamicLinear.from_int8(*layer.int8_weight(), None, split=True)
+    assert torch.equal(again.row_sums, fresh.row_sums) and torch.equal(again.col_sums, fresh.col_sums)
+    x = rows_with_outliers(20, 1536, generator)
+    assert torch.equal(again(x), layer(x))

@@ -249,6 +249,7 @@ class Engine:
             return
         self._on_ready()
         self._ready.set()
+        threading.Thread(target=_pack_deferred, name="int8-pack", daemon=True).start()
         idle_since = time.monotonic()
         while not self._stopping.is_set():
             self._drain_inbox(block=not loop.has_work)
@@ -296,3 +297,18 @@ def wait_until_ready(engine: Engine, timeout: float) -> None:
     while not engine.wait_ready(0.1):
         if engine.load_error or not engine.is_alive or time.monotonic() > deadline:
             raise EngineError(f"model failed to load: {engine.load_error or 'timed out'}")
+
+
+def _pack_deferred() -> None:
+    """fbgemm's packing of the int8 layers, which a start leaves until the engine is ready (``linear.pack_deferred``;
+    until a layer is packed the decode kernel serves its longer batches too, with the same bits)."""
+    from handler.engine.model.linear import pack_deferred
+
+    started = time.monotonic()
+    try:
+        count = pack_deferred()
+    except Exception:  # the layers stay on the kernel, which gives the same answers, only slower for long prompts
+        log.exception("int8: packing the layers for fbgemm failed")
+        return
+    if count:
+        log.info("int8: packed %d layers for fbgemm's GEMM in %.1f s, after ready", count, time.monotonic() - started)

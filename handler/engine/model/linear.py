@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -51,22 +53,32 @@ class Int8DynamicLinear:
 
     @classmethod
     def from_int8(cls, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
-                  levels: int | None = None) -> Int8DynamicLinear:
-        """The layer of weights already quantised (``int8_weight``'s pair, as ``packed`` keeps them)."""
+                  levels: int | None = None,
+                  sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8DynamicLinear:
+        """The layer of weights already quantised (``int8_weight``'s pair, as ``packed`` keeps them); ``sums``:
+        its ``(row_sums, col_sums)`` as an earlier layer of the same weights computed them (``sums``)."""
         layer = cls.__new__(cls)
-        layer._setup(int8, scales, bias, split, levels)
+        layer._setup(int8, scales, bias, split, levels, sums)
         return layer
 
     def _setup(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool,
-               levels: int | None) -> None:
+               levels: int | None, sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.split = split
         self.levels = 128 if split else levels or activation_levels()
-        self.packed, self.row_sums = _pack_int8(int8, scales)
+        self.row_sums = _row_sums(int8, scales) if sums is None else sums[0]
         # the split path's few-row kernel (``kernels``) reads the int8 weights as they are, with their scales
         self.kernel = int8_kernel() if split and int8.device.type == "cpu" else None
+        self._packed = None
+        self._pack_lock = threading.Lock()
         if self.kernel is not None:
             self.int8, self.scales = int8, scales.double().float()
-            self.col_sums = int8.sum(dim=1, dtype=torch.int32)
+            self.col_sums = int8.sum(dim=1, dtype=torch.int32) if sums is None else sums[1]
+            # fbgemm's packing waits (``packed``, ``pack_deferred``): it was a third of a start's load, and until it
+            # is done the kernel takes every row count in blocks of its rows, with the same bits
+            with _DEFERRED_LOCK:
+                _DEFERRED.add(self)
+        else:
+            self._packed = _prepack(int8, scales)
         self.bias = None if bias is None else bias.float()
         self.sentinel = torch.zeros(int8.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
@@ -74,6 +86,22 @@ class Int8DynamicLinear:
         # from the int8 weights in float64 (``_exact_int8_linear``), slowly
         self.exact = (int8.double().T.contiguous(), scales.double().float()) if (
             self.levels == 256 and not full_range_is_exact()) else None
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``from_int8`` would compute again from the int8 weights: the dequantised row sums fbgemm's centre
+        term uses, and the int8 sums the kernel's offset uses (``packed.save`` keeps them: a start is spared
+        computing them)."""
+        col_sums = self.col_sums if self.kernel is not None else self.int8_weight()[0].sum(dim=1, dtype=torch.int32)
+        return self.row_sums, col_sums
+
+    @property
+    def packed(self) -> torch.classes.quantized.LinearPackedParamsBase:
+        """fbgemm's packed weight (packed on first use where the kernel let it wait)."""
+        if self._packed is None:
+            with self._pack_lock:
+                if self._packed is None:
+                    self._packed = _prepack(self.int8, self.scales)
+        return self._packed
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weights ``[out, in]`` and their fp32 per-channel scales."""
@@ -83,9 +111,11 @@ class Int8DynamicLinear:
         return weight.int_repr(), weight.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.shape[0] <= KERNEL_ROWS:
-            return self.kernel.split_linear(x.contiguous(), self.int8, self.col_sums, self.scales, self.row_sums,
-                                            self.bias)
+        if self.kernel is not None and (x.shape[0] <= KERNEL_ROWS or self._packed is None):
+            x = x.contiguous()
+            blocks = [self.kernel.split_linear(x[i:i + KERNEL_ROWS], self.int8, self.col_sums, self.scales,
+                                               self.row_sums, self.bias) for i in range(0, x.shape[0], KERNEL_ROWS)]
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         if self.split:
             y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
         elif self.exact is not None:
@@ -103,21 +133,47 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8), scales
 
 
+# kernel layers whose fbgemm packing waits, until ``pack_deferred`` packs them
+_DEFERRED: weakref.WeakSet = weakref.WeakSet()
+_DEFERRED_LOCK = threading.Lock()
+
+
+def pack_deferred() -> int:
+    """Pack every kernel layer whose fbgemm packing waits (the lean engine calls it on a thread of its own once it
+    is ready; fbgemm's packing releases the GIL); how many it packed."""
+    with _DEFERRED_LOCK:
+        layers = list(_DEFERRED)
+        _DEFERRED.clear()
+    for layer in layers:
+        layer.packed  # noqa: B018 (packs it)
+    return len(layers)
+
+
 def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
     """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
     centre term ``c * rowsum(W)`` matches the integer product exactly."""
-    return _pack_int8(*_quantise_weight(weight))
+    int8, scales = _quantise_weight(weight)
+    return _prepack(int8, scales), _row_sums(int8, scales)
 
 
-def _pack_int8(int8: torch.Tensor,
-               scales: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
-    """``_pack`` of weights already quantised."""
+def _quantised(int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weights as torch's per-channel quantised tensor (what fbgemm packs)."""
     zero_points = torch.zeros(int8.shape[0], dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
-        qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
-        packed = torch.ops.quantized.linear_prepack(qweight, None)
-    return packed, qweight.dequantize().sum(dim=1)
+        return torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
+
+
+def _prepack(int8: torch.Tensor, scales: torch.Tensor) -> torch.classes.quantized.LinearPackedParamsBase:
+    """fbgemm's packed form of weights already quantised."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ops.quantized.linear_prepack(_quantised(int8, scales), None)
+
+
+def _row_sums(int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each output channel's dequantised weights summed, as fbgemm's weights are (``_pack``)."""
+    return _quantised(int8, scales).dequantize().sum(dim=1)
 
 
 def _exact_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +288,9 @@ def describe_cpu(split: frozenset[str] | None = None) -> str:
     head = (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
             "fbgemm u8*s8->s32, ")
     row_bits = f"{'8' if levels == 256 else '7'}-bit per-row activations on an exact grid{emulated}"
-    kernel = (f"; split layers take up to {KERNEL_ROWS} rows through our AVX2 kernel" if split and int8_kernel()
-              else "")
+    found = int8_kernel() if split else None
+    kernel = (f"; split layers take up to {KERNEL_ROWS} rows through our "
+              f"{'AVX-512 VNNI' if found.vnni else 'AVX2'} kernel" if found else "")
     if split is None:
         return head + row_bits
     if split >= set(INT8_SITES):

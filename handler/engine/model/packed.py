@@ -1,10 +1,11 @@
 """The int8 model as load computes it, written once and read back at later starts: calibration and quantisation run
 once per model folder and settings, not at every start (issue #32: scale-out time is start-up time).
 
-What is kept: each layer's smoothed norms, every int8 Linear's int8 weights, scales and bias, the folds adapters
-follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quantize`` changes. The rest of the model
-(embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is safetensors,
-memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own layout, per CPU).
+What is kept: each layer's smoothed norms, every int8 Linear's int8 weights, scales, bias and sums, the folds
+adapters follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quantize`` changes. The rest of
+the model (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is
+safetensors, memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own
+layout, per CPU), after the engine is ready where the decode kernel can serve meanwhile (``linear.pack_deferred``).
 
 Where: in the start cache (``handler.start_cache``), named by the folder, the split sites and activation levels, and
 the source of the code that computes it. Written to a temporary name and renamed, so a start killed mid-write
@@ -18,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from handler.engine.model.support import moe_layers
 
 log = logging.getLogger(__name__)
 
-FORMAT = "1"
+FORMAT = "2"  # 2: each Linear's row and column sums too
 KEEP = 4  # files the cache keeps (most recently used first)
 SITES = ("qkv", "out", "mlp.gate_up", "mlp.down")
 NORMS = ("input_norm", "post_norm")
@@ -86,6 +86,9 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
         put(f"{name}.int8", int8)
         put(f"{name}.scales", scales)
         put(f"{name}.bias", layer.bias)
+        row_sums, col_sums = layer.sums()
+        put(f"{name}.row_sums", row_sums)
+        put(f"{name}.col_sums", col_sums)
 
     for index, layer in enumerate(model.layers):
         for norm in NORMS:
@@ -124,13 +127,13 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
 
     def get_linear(name: str, site: str) -> Int8DynamicLinear:
         return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
-                                           split=site in split, levels=levels)
+                                           split=site in split, levels=levels,
+                                           sums=(tensors[f"{name}.row_sums"], tensors[f"{name}.col_sums"]))
 
-    # fbgemm's packing, most of this, releases the GIL: two threads take ~2/3 of one's time (the embedded model:
-    # 0.95 s against 1.44), and at start-up the second core is free once the tokenizer thread is done
-    jobs = [(f"{index}.{site}", site.rpartition(".")[2]) for index in range(len(model.layers)) for site in SITES]
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="int8-load") as pool:
-        linears = dict(zip((name for name, _ in jobs), pool.map(lambda job: get_linear(*job), jobs), strict=True))
+    # fbgemm's packing, which was most of this (0.95 s of the embedded model's, on two threads), waits until the
+    # engine is ready (``linear.pack_deferred``), and the sums are read, not computed
+    linears = {f"{index}.{site}": get_linear(f"{index}.{site}", site.rpartition(".")[2])
+               for index in range(len(model.layers)) for site in SITES}
     for index, layer in enumerate(model.layers):
         for norm in NORMS:
             setattr(layer, norm, get(f"{index}.{norm}"))

@@ -4,8 +4,9 @@ step's KV writes (``kv_cache.c``).
 
 Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
 more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
-int8 weights once for all of them with AVX2's u8*s8 products, and applies the same float epilogue, giving the same
-bits as the torch path (``tests/unit/test_int8_kernel.py``), so a row's answer does not depend on which path ran.
+int8 weights once for all of them with AVX2's u8*s8 products (AVX-512 VNNI's where the CPU has it: the same exact
+integers), and applies the same float epilogue, giving the same bits as the torch path
+(``tests/unit/test_int8_kernel.py``), so a row's answer does not depend on which path ran.
 
 It is plain C, built with the system compiler in about a second (no torch headers; ``build``) into a cache keyed by
 its source and flags, and loaded with ctypes: ``make model`` and the image build it ahead; a start builds it if it is
@@ -55,7 +56,16 @@ class Int8Kernel:
                                            ctypes.c_int64, ctypes.c_int64, pointer, pointer, ctypes.c_int64, pointer,
                                            ctypes.c_int64]
         self.lib.kv_write_rows.restype = integer
+        self.lib.int8_use_vnni.argtypes = [integer]
+        self.lib.int8_use_vnni.restype = integer
         self.codes = torch.empty(0, dtype=torch.uint8)
+        self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
+
+    def use_vnni(self, wanted: bool) -> bool:
+        """Sum with AVX-512 VNNI where the CPU has it (``int8_gemv.c``: the same integers, so the same bits), or
+        with AVX2 (``LLM_INT8_KERNEL_ISA=avx2`` at start; tests switch both ways); whether VNNI is taken now."""
+        self.vnni = bool(self.lib.int8_use_vnni(int(wanted)))
+        return self.vnni
 
     def split_linear(self, x: torch.Tensor, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor,
                      row_sums: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
