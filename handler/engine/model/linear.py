@@ -80,6 +80,8 @@ class Int8DynamicLinear:
         else:
             self._packed = _prepack(int8, scales)
         self.bias = None if bias is None else bias.float()
+        if self.kernel is not None:
+            self._kernel_rows = self.kernel.bind(self.int8, self.col_sums, self.scales, self.row_sums, self.bias)
         self.sentinel = torch.zeros(int8.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
         # 8-bit activations asked for on a CPU whose kernel would saturate them: the same numbers, computed exactly
@@ -111,11 +113,11 @@ class Int8DynamicLinear:
         return weight.int_repr(), weight.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and (x.shape[0] <= KERNEL_ROWS or self._packed is None):
-            x = x.contiguous()
-            blocks = [self.kernel.split_linear(x[i:i + KERNEL_ROWS], self.int8, self.col_sums, self.scales,
-                                               self.row_sums, self.bias) for i in range(0, x.shape[0], KERNEL_ROWS)]
-            return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        if self.kernel is not None:
+            if x.shape[0] <= KERNEL_ROWS:
+                return self._kernel_rows(x)
+            if self._packed is None:
+                return torch.cat([self._kernel_rows(x[i:i + KERNEL_ROWS]) for i in range(0, x.shape[0], KERNEL_ROWS)])
         if self.split:
             y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
         elif self.exact is not None:

@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +60,10 @@ class Int8Kernel:
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
         self.codes = torch.empty(0, dtype=torch.uint8)
+        self._codes = ctypes.c_void_p(self.codes.data_ptr())
+        # ``bind``'s calls: no argtypes, so ctypes converts nothing (the pointers are made once, as c_void_p)
+        self._bound_call = self.lib["int8_split_linear"]
+        self._bound_call.restype = integer
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
@@ -73,13 +78,39 @@ class Int8Kernel:
         them for this kernel."""
         rows, k = x.shape
         n = weight.shape[0]
-        if self.codes.numel() < 2 * rows * k:
-            self.codes = torch.empty(2 * MAX_ROWS * k, dtype=torch.uint8)
+        self._room_for(k)
         y = torch.empty(rows, n)
         self.lib.int8_split_linear(x.data_ptr(), rows, k, weight.data_ptr(), col_sums.data_ptr(), scales.data_ptr(),
                                    row_sums.data_ptr(), None if bias is None else bias.data_ptr(), n,
                                    self.codes.data_ptr(), y.data_ptr())
         return y
+
+    def bind(self, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
+             bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``split_linear`` of these weights as a function of ``x`` alone (1 to ``MAX_ROWS`` rows): their pointers
+        are made once, so a call costs ~3 us of Python and ctypes instead of ~7 (the embedded model's step makes
+        121). The caller keeps the tensors alive and unchanged for as long as it calls it."""
+        n, k = weight.shape
+        self._room_for(k)
+        pointer = ctypes.c_void_p
+        fixed = (pointer(weight.data_ptr()), pointer(col_sums.data_ptr()), pointer(scales.data_ptr()),
+                 pointer(row_sums.data_ptr()), None if bias is None else pointer(bias.data_ptr()), n)
+        call, empty = self._bound_call, torch.empty
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            rows = x.shape[0]
+            y = empty(rows, n)
+            call(pointer(x.data_ptr()), rows, k, *fixed, self._codes, pointer(y.data_ptr()))
+            return y
+
+        return linear
+
+    def _room_for(self, k: int) -> None:
+        """The codes scratch holds ``MAX_ROWS`` rows of width ``k`` (grown, never shrunk; one per process)."""
+        if self.codes.numel() < 2 * MAX_ROWS * k:
+            self.codes = torch.empty(2 * MAX_ROWS * k, dtype=torch.uint8)
+            self._codes = ctypes.c_void_p(self.codes.data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
