@@ -101,6 +101,15 @@ def test_fbgemm_packing_waits_and_the_kernel_serves_long_batches_meanwhile(kerne
     assert pack_deferred() >= 1 and layer._packed is not None
     assert torch.equal(layer(x), waiting)
     assert torch.equal(torch_path(layer, x), waiting)
+    # a batch of PACK_NOW_ROWS packs a waiting layer at once (a long prompt): the same bits as the kernel's
+    from handler.engine.model.linear import PACK_NOW_ROWS
+
+    other = Int8DynamicLinear.from_int8(*layer.int8_weight(), layer.bias, split=True)
+    many = rows_with_outliers(PACK_NOW_ROWS, 576, generator)
+    assert other._packed is None
+    packed_now = other(many)
+    assert other._packed is not None
+    assert torch.equal(packed_now, torch.cat([layer(many[i:i + 8]) for i in range(0, PACK_NOW_ROWS, 8)]))
 
 
 def test_a_layer_made_from_kept_sums_is_the_same_layer(kernel) -> None:

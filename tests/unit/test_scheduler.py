@@ -118,6 +118,28 @@ def test_token_budget_splits_a_long_prompt_across_steps() -> None:
     assert sequence.num_cached == 150
 
 
+def test_chunks_end_on_whole_blocks_where_they_cross_one() -> None:
+    """With ``chunk_align`` (the lean model's KEY_BLOCK of 64), a chunk that is not the prompt's last and crosses a
+    multiple of 64 ends at the last one it crosses; one that crosses none, and the last, keep their length."""
+    scheduler = Scheduler(max_running=4, max_step_tokens=200)
+    scheduler.chunk_align = 64
+    scheduler.add(request(300, name="long"))
+    seen = []
+    while scheduler.running == [] or scheduler.running[0].is_prefilling:
+        plan = scheduler.schedule()
+        seen += chunks(plan)
+        fake_run(plan)
+    assert seen == [("long", 0, 192), ("long", 192, 108)]  # 199 tokens of budget: cut back to 192
+    scheduler = Scheduler(max_running=4, max_step_tokens=48)
+    scheduler.chunk_align = 64
+    scheduler.add(request(100, name="short steps"))
+    first = scheduler.schedule()
+    fake_run(first)
+    second = scheduler.schedule()
+    assert chunks(first) == [("short steps", 0, 47)]  # crosses no multiple of 64: kept
+    assert chunks(second) == [("short steps", 47, 17)]  # 48 tokens would cross 64: ends there
+
+
 @pytest.mark.parametrize("num_requests", [1, 3])
 def test_step_never_runs_more_than_max_step_tokens(num_requests: int) -> None:
     scheduler = Scheduler(max_running=8, max_step_tokens=64)

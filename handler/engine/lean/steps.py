@@ -52,6 +52,7 @@ class StepLoop:
         self.scheduler = Scheduler(limits.max_running, limits.max_step_tokens, runner.match_prefix)
         self.scheduler.space = runner.space
         self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
+        self.scheduler.chunk_align = getattr(runner, "prefill_align", 1)
         self.num_sampled = 0          # tokens sampled since the last report
         self._beams = BeamSteps(vocab, limits, self.scheduler)
         self.speculator = None if speculation is None else Speculator(

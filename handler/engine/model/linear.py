@@ -116,7 +116,7 @@ class Int8DynamicLinear:
         if self.kernel is not None:
             if x.shape[0] <= KERNEL_ROWS:
                 return self._kernel_rows(x)
-            if self._packed is None:
+            if self._packed is None and x.shape[0] < PACK_NOW_ROWS:
                 return torch.cat([self._kernel_rows(x[i:i + KERNEL_ROWS]) for i in range(0, x.shape[0], KERNEL_ROWS)])
         if self.split:
             y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
@@ -135,6 +135,10 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8), scales
 
 
+# A batch of this many rows packs a waiting layer at once (``Int8DynamicLinear.packed``, ~7 ms for one of the embedded
+# model's) rather than taking the kernel 8 rows at a time, which reads the weights once per 8 rows: a long prompt
+# right after a start, while the engine is too busy for ``pack_deferred``'s low-priority thread to have run
+PACK_NOW_ROWS = 128
 # kernel layers whose fbgemm packing waits, until ``pack_deferred`` packs them
 _DEFERRED: weakref.WeakSet = weakref.WeakSet()
 _DEFERRED_LOCK = threading.Lock()
