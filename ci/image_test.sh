@@ -103,7 +103,7 @@ PY
 # the int8 decode kernel the image built in its own stage is the one serving (on a CPU with AVX2 and FMA)
 if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
   logs=$(podman logs "$cid" 2>&1)
-  grep -q "through our AVX2 kernel" <<<"$logs" || fail "the start log does not say the int8 decode kernel runs"
+  grep -qE "through our (AVX2|AVX-512 VNNI) kernel" <<<"$logs" || fail "the start log does not say the int8 decode kernel runs"
   step "int8 decode kernel: in use"
 fi
 

@@ -11,7 +11,7 @@ integers), and applies the same float epilogue, giving the same bits as the torc
 It is plain C, built with the system compiler in about a second (no torch headers; ``build``) into a cache keyed by
 its source and flags, and loaded with ctypes: ``make model`` and the image build it ahead; a start builds it if it is
 missing. Without AVX2 and FMA, or a compiler, the torch path runs (one log line says so); ``LLM_INT8_KERNEL=torch``
-forces it.
+forces it, and ``LLM_INT8_KERNEL_ISA=avx2`` keeps the kernel's AVX2 sums on a CPU with AVX-512 VNNI.
 """
 
 from __future__ import annotations
