@@ -70,6 +70,7 @@ class Int8DynamicLinear:
         self.kernel = int8_kernel() if split and int8.device.type == "cpu" else None
         self._packed = None
         self._pack_lock = threading.Lock()
+        self.bias = None if bias is None else bias.float()
         if self.kernel is not None:
             self.int8, self.scales = int8, scales.double().float()
             self.col_sums = int8.sum(dim=1, dtype=torch.int32) if sums is None else sums[1]
@@ -77,11 +78,9 @@ class Int8DynamicLinear:
             # is done the kernel takes every row count in blocks of its rows, with the same bits
             with _DEFERRED_LOCK:
                 _DEFERRED.add(self)
+            self._kernel_rows = self.kernel.bind(self.int8, self.col_sums, self.scales, self.row_sums, self.bias)
         else:
             self._packed = _prepack(int8, scales)
-        self.bias = None if bias is None else bias.float()
-        if self.kernel is not None:
-            self._kernel_rows = self.kernel.bind(self.int8, self.col_sums, self.scales, self.row_sums, self.bias)
         self.sentinel = torch.zeros(int8.shape[1])
         self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
         # 8-bit activations asked for on a CPU whose kernel would saturate them: the same numbers, computed exactly

@@ -44,8 +44,8 @@ class Int8Kernel:
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         pointer, integer = ctypes.c_void_p, ctypes.c_int
-        self.lib.int8_split_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer,
-                                               pointer, integer, pointer, pointer]
+        # no argtypes: ``bind`` passes its pointers as prebuilt c_void_p and its sizes as ints, so ctypes converts
+        # nothing per call
         self.lib.int8_split_linear.restype = integer
         self.lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, pointer, ctypes.c_float, integer,
                                            pointer]
@@ -61,9 +61,6 @@ class Int8Kernel:
         self.lib.int8_use_vnni.restype = integer
         self.codes = torch.empty(0, dtype=torch.uint8)
         self._codes = ctypes.c_void_p(self.codes.data_ptr())
-        # ``bind``'s calls: no argtypes, so ctypes converts nothing (the pointers are made once, as c_void_p)
-        self._bound_call = self.lib["int8_split_linear"]
-        self._bound_call.restype = integer
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
@@ -75,15 +72,8 @@ class Int8Kernel:
     def split_linear(self, x: torch.Tensor, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor,
                      row_sums: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` ``[rows, k]`` fp32 contiguous, ``rows <= MAX_ROWS``; the weights as ``Int8DynamicLinear`` keeps
-        them for this kernel."""
-        rows, k = x.shape
-        n = weight.shape[0]
-        self._room_for(k)
-        y = torch.empty(rows, n)
-        self.lib.int8_split_linear(x.data_ptr(), rows, k, weight.data_ptr(), col_sums.data_ptr(), scales.data_ptr(),
-                                   row_sums.data_ptr(), None if bias is None else bias.data_ptr(), n,
-                                   self.codes.data_ptr(), y.data_ptr())
-        return y
+        them for this kernel (one call of ``bind``'s function)."""
+        return self.bind(weight, col_sums, scales, row_sums, bias)(x)
 
     def bind(self, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
              bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -95,7 +85,7 @@ class Int8Kernel:
         pointer = ctypes.c_void_p
         fixed = (pointer(weight.data_ptr()), pointer(col_sums.data_ptr()), pointer(scales.data_ptr()),
                  pointer(row_sums.data_ptr()), None if bias is None else pointer(bias.data_ptr()), n)
-        call, empty = self._bound_call, torch.empty
+        call, empty = self.lib.int8_split_linear, torch.empty
 
         def linear(x: torch.Tensor) -> torch.Tensor:
             x = x.contiguous()

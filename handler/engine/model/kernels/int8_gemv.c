@@ -183,34 +183,27 @@ int int8_use_vnni(int wanted) {
     return use_vnni;
 }
 
-static VNNI void four_channels_vnni(const job_t *job, int c) {
-    switch (job->rows) {
-    case 1: four_channels_rows_vnni(job, c, 1); break;
-    case 2: four_channels_rows_vnni(job, c, 2); break;
-    case 3: four_channels_rows_vnni(job, c, 3); break;
-    case 4: four_channels_rows_vnni(job, c, 4); break;
-    case 5: four_channels_rows_vnni(job, c, 5); break;
-    case 6: four_channels_rows_vnni(job, c, 6); break;
-    case 7: four_channels_rows_vnni(job, c, 7); break;
-    default: four_channels_rows_vnni(job, c, 8); break;
+/* fn(job, c, rows) with rows a constant in each case, so each copy keeps its accumulators in registers */
+#define BY_ROWS(fn, job, c)                          \
+    switch ((job)->rows) {                           \
+    case 1: fn(job, c, 1); break;                    \
+    case 2: fn(job, c, 2); break;                    \
+    case 3: fn(job, c, 3); break;                    \
+    case 4: fn(job, c, 4); break;                    \
+    case 5: fn(job, c, 5); break;                    \
+    case 6: fn(job, c, 6); break;                    \
+    case 7: fn(job, c, 7); break;                    \
+    default: fn(job, c, 8); break;                   \
     }
-}
+
+static VNNI void four_channels_vnni(const job_t *job, int c) { BY_ROWS(four_channels_rows_vnni, job, c) }
 
 static void four_channels(const job_t *job, int c) {
     if (use_vnni) {
         four_channels_vnni(job, c);
         return;
     }
-    switch (job->rows) {
-    case 1: four_channels_rows(job, c, 1); break;
-    case 2: four_channels_rows(job, c, 2); break;
-    case 3: four_channels_rows(job, c, 3); break;
-    case 4: four_channels_rows(job, c, 4); break;
-    case 5: four_channels_rows(job, c, 5); break;
-    case 6: four_channels_rows(job, c, 6); break;
-    case 7: four_channels_rows(job, c, 7); break;
-    default: four_channels_rows(job, c, 8); break;
-    }
+    BY_ROWS(four_channels_rows, job, c)
 }
 
 /* Per row: the 14-bit grid (step, centre) and the two 7-bit halves of each activation, as linear.py computes them */
