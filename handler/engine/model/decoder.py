@@ -140,9 +140,13 @@ class DecoderModel:
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         s = self.shape
         rows = q.shape[0]
-        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         decode_masks = layout.window_decode_masks if sliding else layout.decode_masks
         prefill_masks = layout.window_prefill_masks if sliding else layout.prefill_masks
+        if len(decode_masks) == 1 and not prefill_masks:  # one decode group is every row: no gathering copy
+            (group, _count), = layout.decode_groups
+            cache.write_decode(layer, group, k, v, layout.decode_positions)
+            return self._decode_attention(q, layer, group, decode_masks[0], cache, sinks)
+        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         row = 0
         for (group, count), mask in zip(layout.decode_groups, decode_masks, strict=True):
             rows = slice(row, row + count)

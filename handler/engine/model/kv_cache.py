@@ -14,6 +14,9 @@ MIN_SLOTS = 4
 _MIN_LENGTH = 256
 # Attention reads keys in whole blocks of this many positions (``layout.build_layout``), so capacity is a multiple
 KEY_BLOCK = 64
+# decode views kept (``KVCache.decode_view``): a step of L layers reads L per decode group, the same ones until a
+# group's keys pass a KEY_BLOCK; past this many they are all dropped and made again
+_MAX_VIEWS = 4096
 
 
 def whole_blocks(length: int) -> int:
@@ -30,9 +33,17 @@ class KVCache:
         self.dims = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.max_slots, self.max_len = max_slots, whole_blocks(max_len)
-        self.keys = self.values = self._empty(0, 0)
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # write_decode's slot indices, by group
         self._kernel = int8_kernel() if device.type == "cpu" else None  # write_decode's copies (``kv_cache.c``)
+        self._hold(self._empty(0, 0), self._empty(0, 0))
+
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make these the cache's tensors, with each layer's views made once: a decode step reads and writes every
+        layer's, and indexing the 5-d tensors anew cost ~8 us a layer (``decode_view``: the same views by group and
+        length, for as long as the tensors are these)."""
+        self.keys, self.values = keys, values
+        self._layers = list(zip(keys.unbind(0), values.unbind(0), strict=True))
+        self._views: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _empty(self, slots: int, length: int) -> torch.Tensor:
         layers, heads, dim = self.dims
@@ -66,10 +77,10 @@ class KVCache:
         old_slots, old_len = self.num_slots, self.capacity
         keys[:, :old_slots, :, :old_len] = self.keys
         values[:, :old_slots, :, :old_len] = self.values
-        self.keys, self.values = keys, values
+        self._hold(keys, values)
 
     def release(self) -> None:
-        self.keys = self.values = self._empty(0, 0)
+        self._hold(self._empty(0, 0), self._empty(0, 0))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
@@ -95,8 +106,7 @@ class KVCache:
                      positions: torch.Tensor) -> None:
         """k, v: ``[count, kv_heads, head_dim]`` for the group's slots at ``positions[i]``."""
         first, count = group
-        if self._kernel is not None and self._kernel.kv_write(self.keys[layer], self.values[layer], first, k, v,
-                                                              positions):
+        if self._kernel is not None and self._kernel.kv_write(*self._layers[layer], first, k, v, positions):
             return
         # the slot indices, made once per group rather than per layer and step; on CUDA each time (a tensor made
         # while a graph records holds no values until the graph is replayed)
@@ -111,8 +121,14 @@ class KVCache:
     def decode_view(self, layer: int, group: tuple[int, int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[count, kv_heads, length, head_dim]`` of the group's slots (views, no copy)."""
         first, count = group
-        return (self.keys[layer, first:first + count, :, :length],
-                self.values[layer, first:first + count, :, :length])
+        views = self._views.get((layer, first, count, length))
+        if views is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            keys, values = self._layers[layer]
+            views = self._views[layer, first, count, length] = (keys[first:first + count, :, :length],
+                                                                values[first:first + count, :, :length])
+        return views
 
     def write_repeat(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Decode rows of one slot at several positions (speculative decoding's drafts): k, v ``[rows, kv_heads,

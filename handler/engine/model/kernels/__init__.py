@@ -114,11 +114,10 @@ class Int8Kernel:
         """``family._split_and_rotate``'s q, k and v, the same bits, in one call (``rope.c``): ``qkv`` ``[rows,
         (heads + 2 kv_heads) * head_dim]``, ``cos`` and ``sin`` ``rows * head_dim`` values, all fp32 contiguous."""
         rows = qkv.shape[0]
-        qk = torch.empty(rows, num_heads + num_kv_heads, head_dim)
+        out = torch.empty(rows, num_heads + 2 * num_kv_heads, head_dim)
         self.lib.split_rotate_rows(qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                                   sin.data_ptr(), qk.data_ptr())
-        v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
-        return qk[:, :num_heads], qk[:, num_heads:], v
+                                   sin.data_ptr(), out.data_ptr())
+        return out.split_with_sizes((num_heads, num_kv_heads, num_kv_heads), 1)
 
     def kv_write(self, keys: torch.Tensor, values: torch.Tensor, first: int, k: torch.Tensor, v: torch.Tensor,
                  positions: torch.Tensor) -> bool:
