@@ -87,8 +87,8 @@ def test_constant_and_tiny_rows(kernel) -> None:
 
 def test_fbgemm_packing_waits_and_the_kernel_serves_long_batches_meanwhile(kernel) -> None:
     """A kernel layer is made without fbgemm's packed weights (a start's load leaves them until the engine is
-    ready): meanwhile the kernel takes every row count in blocks of its rows, and the answers are fbgemm's bits,
-    before and after ``pack_deferred`` packs it."""
+    idle): batches under FBGEMM_ROWS take the kernel in blocks of its rows, packed or not, and the answers are
+    fbgemm's bits, before and after ``pack_deferred`` packs it."""
     from handler.engine.model.linear import pack_deferred
 
     generator = torch.Generator().manual_seed(11)
@@ -101,15 +101,15 @@ def test_fbgemm_packing_waits_and_the_kernel_serves_long_batches_meanwhile(kerne
     assert pack_deferred() >= 1 and layer._packed is not None
     assert torch.equal(layer(x), waiting)
     assert torch.equal(torch_path(layer, x), waiting)
-    # a batch of PACK_NOW_ROWS packs a waiting layer at once (a long prompt): the same bits as the kernel's
-    from handler.engine.model.linear import PACK_NOW_ROWS
+    # a batch of FBGEMM_ROWS takes fbgemm's GEMM, packing a waiting layer first: the same bits as the kernel's
+    from handler.engine.model.linear import FBGEMM_ROWS
 
     other = Int8DynamicLinear.from_int8(*layer.int8_weight(), layer.bias, split=True)
-    many = rows_with_outliers(PACK_NOW_ROWS, 576, generator)
-    assert other._packed is None
+    assert other(x) is not None and other._packed is None, "fewer rows than FBGEMM_ROWS packed it"
+    many = rows_with_outliers(FBGEMM_ROWS, 576, generator)
     packed_now = other(many)
     assert other._packed is not None
-    assert torch.equal(packed_now, torch.cat([layer(many[i:i + 8]) for i in range(0, PACK_NOW_ROWS, 8)]))
+    assert torch.equal(packed_now, torch.cat([layer(many[i:i + 8]) for i in range(0, FBGEMM_ROWS, 8)]))
 
 
 def test_a_layer_made_from_kept_sums_is_the_same_layer(kernel) -> None:

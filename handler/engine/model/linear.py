@@ -74,8 +74,8 @@ class Int8DynamicLinear:
         if self.kernel is not None:
             self.int8, self.scales = int8, scales.double().float()
             self.col_sums = int8.sum(dim=1, dtype=torch.int32) if sums is None else sums[1]
-            # fbgemm's packing waits (``packed``, ``pack_deferred``): it was a third of a start's load, and until it
-            # is done the kernel takes every row count in blocks of its rows, with the same bits
+            # fbgemm's packing waits (``packed``, ``pack_one``): it was a third of a start's load, and only batches of
+            # FBGEMM_ROWS or more need it (fewer take the kernel in blocks of its rows, with the same bits)
             with _DEFERRED_LOCK:
                 _DEFERRED.add(self)
             self._kernel_rows = self.kernel.bind(self.int8, self.col_sums, self.scales, self.row_sums, self.bias)
@@ -112,11 +112,10 @@ class Int8DynamicLinear:
         return weight.int_repr(), weight.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        if self.kernel is not None and x.shape[0] < FBGEMM_ROWS:
             if x.shape[0] <= KERNEL_ROWS:
                 return self._kernel_rows(x)
-            if self._packed is None and x.shape[0] < PACK_NOW_ROWS:
-                return torch.cat([self._kernel_rows(x[i:i + KERNEL_ROWS]) for i in range(0, x.shape[0], KERNEL_ROWS)])
+            return torch.cat([self._kernel_rows(x[i:i + KERNEL_ROWS]) for i in range(0, x.shape[0], KERNEL_ROWS)])
         if self.split:
             y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
         elif self.exact is not None:
@@ -134,24 +133,34 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8), scales
 
 
-# A batch of this many rows packs a waiting layer at once (``Int8DynamicLinear.packed``, ~7 ms for one of the embedded
-# model's) rather than taking the kernel 8 rows at a time, which reads the weights once per 8 rows: a long prompt
-# right after a start, while the engine is too busy for ``pack_deferred``'s low-priority thread to have run
-PACK_NOW_ROWS = 128
-# kernel layers whose fbgemm packing waits, until ``pack_deferred`` packs them
+# From this many rows a kernel layer takes fbgemm's GEMM (packing it first where it waits, ~7 ms for one of the
+# embedded model's Linears, 0.25 s for its head); below, the kernel 8 rows at a time, which reads the weights once per
+# 8 rows and still beat fbgemm (the same bits either way). Measured here (Intel, AVX-512 VNNI, 2 threads), the
+# embedded model's whole step, kernel against fbgemm: decode batches of 8 rows 22.2 / 23.1 ms, 16: 41.3 / 49.9,
+# 24: 60.6 / 63.8, 32: 83.6 / 79.7; prefill chunks of 15 rows 34 / 45 ms, 30: 63 / 59, 60: 124 / 103.
+FBGEMM_ROWS = 32
+# kernel layers whose fbgemm packing waits, until ``pack_one`` packs them
 _DEFERRED: weakref.WeakSet = weakref.WeakSet()
 _DEFERRED_LOCK = threading.Lock()
 
 
-def pack_deferred() -> int:
-    """Pack every kernel layer whose fbgemm packing waits (the lean engine calls it on a thread of its own once it
-    is ready; fbgemm's packing releases the GIL); how many it packed."""
+def pack_one() -> bool:
+    """Pack one kernel layer whose fbgemm packing waits (the lean engine's packing thread calls it while the engine
+    is idle; fbgemm's packing releases the GIL); whether there was one."""
     with _DEFERRED_LOCK:
-        layers = list(_DEFERRED)
-        _DEFERRED.clear()
-    for layer in layers:
-        layer.packed  # noqa: B018 (packs it)
-    return len(layers)
+        layer = _DEFERRED.pop() if _DEFERRED else None
+    if layer is None:
+        return False
+    layer.packed  # noqa: B018 (packs it)
+    return True
+
+
+def pack_deferred() -> int:
+    """Pack every kernel layer whose fbgemm packing waits; how many it packed."""
+    count = 0
+    while pack_one():
+        count += 1
+    return count
 
 
 def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
