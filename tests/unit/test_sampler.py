@@ -237,3 +237,23 @@ def test_min_tokens_holds_the_ending_ids_back_until_the_output_is_long_enough() 
     result = sample(logits.repeat(2, 1), [short, grown])
     assert result.token_ids == [3, 1]
     assert result.bad_rows == [] and math.isfinite(result.logprobs[0])
+
+
+def test_greedy_choice_and_the_finiteness_check_are_torchs_own() -> None:
+    """``_greedy`` (numpy's argmax) and ``_non_finite_rows`` (a row sum first) answer as ``argmax`` and
+    ``isfinite`` do: ties go to the first index, a NaN counts as largest, strided rows, and a row whose finite values
+    overflow its sum is not called non-finite."""
+    from handler.engine.core.sampler import _greedy, _non_finite_rows
+
+    x = random_logits(6, seed=3, vocab=4096)
+    x[0, 10] = x[0, 900] = x[0].max() + 1          # a tie: the first
+    x[1, 77] = float("nan")
+    x[2, 5] = float("inf")
+    x[3, 9] = float("-inf")
+    x[4, 1] = x[4, 2] = 3e38                        # finite, but the sum overflows
+    x[5, 3], x[5, 4] = float("inf"), float("-inf")  # the sum is NaN
+    with torch.inference_mode():
+        assert torch.equal(_greedy(x), x.argmax(dim=-1))
+        assert torch.equal(_greedy(x[:, ::3]), x[:, ::3].argmax(dim=-1))
+        assert _non_finite_rows(x) == torch.nonzero(~torch.isfinite(x).all(dim=-1)).flatten().tolist() == [1, 2, 3, 5]
+        assert _non_finite_rows(random_logits(3, seed=4, vocab=4096)) == []

@@ -51,7 +51,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, rows: list[RowState]) -> SampleResult:
     """logits: ``[num_rows, vocab]`` fp32. Returns one token per row."""
     logits = _apply_bias_and_penalties(logits, rows)
-    bad_rows = torch.nonzero(~torch.isfinite(logits).all(dim=-1)).flatten().tolist()
+    bad_rows = _non_finite_rows(logits)
     if bad_rows:
         logits[bad_rows] = 0.0  # keep the rest of the batch going; those rows are ended by the engine
     blocked_rows = _apply_grammars(logits, rows)
@@ -144,8 +144,26 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """The rows holding an inf or a NaN. A row's sum is finite only if every value in it is (an inf or NaN makes the
+    sum one), so the elementwise check runs only where a sum is not (a vocabulary-wide ``isfinite`` cost 60-100 us a
+    step here, the sum 8); a sum can also overflow from finite values, which that check then clears."""
+    sums = logits.sum(dim=-1)
+    if bool(torch.isfinite(sums).all()):
+        return []
+    return torch.nonzero(~torch.isfinite(logits).all(dim=-1)).flatten().tolist()
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index, a NaN counting as largest: torch's ``argmax``, which numpy computes
+    with SIMD on CPU (one 49152-token row here: 87 -> 5 us; four rows: 201 -> 15)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1))
+
+
 def _choose(logits: torch.Tensor, log_probs: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
-    token_ids = logits.argmax(dim=-1)
+    token_ids = _greedy(logits)
     unseeded = [i for i, row in enumerate(rows) if not row.params.is_greedy and row.generator is None]
     if unseeded:
         token_ids[unseeded] = torch.multinomial(log_probs[unseeded].exp(), 1).squeeze(1)
