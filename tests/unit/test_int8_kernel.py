@@ -121,3 +121,27 @@ def test_a_layer_made_from_kept_sums_is_the_same_layer(kernel) -> None:
     assert torch.equal(again.row_sums, fresh.row_sums) and torch.equal(again.col_sums, fresh.col_sums)
     x = rows_with_outliers(20, 1536, generator)
     assert torch.equal(again(x), layer(x))
+
+
+@pytest.mark.parametrize("in_features", [576, 960])
+def test_the_norm_before_and_the_residual_after_in_one_call_are_the_ops_one_by_one(kernel, in_features: int) -> None:
+    """``Int8DynamicLinear.fused``: ``residual + layer(rms_norm(x))`` in one kernel call (the decoder's llama block
+    takes it for a decode step's rows) gives the bits of the norm, the layer and torch's add run one by one, with a
+    bias and without, for every row count the kernel takes; it declines what the kernel does not take."""
+    norm = kernels.fused_rms_norm()
+    assert norm is not None and norm.lanes in (8, 16)
+    generator = torch.Generator().manual_seed(13)
+    for bias in (None, torch.randn(768, generator=generator)):
+        layer = Int8DynamicLinear(torch.randn(768, in_features, generator=generator) * 0.05, bias, split=True)
+        weight = torch.rand(in_features, generator=generator) + 0.5
+        for rows in range(1, kernels.KERNEL_ROWS + 1):
+            x = rows_with_outliers(rows, in_features, generator) * 3
+            residual = torch.randn(rows, 768, generator=generator)
+            normed = norm(x, weight, 1e-5)
+            assert torch.equal(layer.fused(x, norm=(weight, 1e-5, norm.lanes)), layer(normed))
+            assert torch.equal(layer.fused(x, residual=residual), residual + layer(x))
+            assert torch.equal(layer.fused(x, residual, (weight, 1e-5, norm.lanes)), residual + layer(normed))
+            assert torch.equal(layer.fused(x, residual, (weight, 1e-5, norm.lanes)), residual + torch_path(layer, normed))
+    x = rows_with_outliers(kernels.KERNEL_ROWS + 1, in_features, generator)
+    assert layer.fused(x) is None, "more rows than the kernel takes"
+    assert layer.fused(x[:2], residual=torch.zeros(2, 5)) is None, "a residual of another shape"

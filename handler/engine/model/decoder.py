@@ -30,6 +30,8 @@ from handler.engine.model.family import (
 from handler.engine.model.kernels import fused_rms_norm
 from handler.engine.model.kv_cache import KEY_BLOCK, KVCache
 from handler.engine.model.layout import KVStore, StepLayout, with_window
+from handler.engine.model.linear import Int8DynamicLinear
+from handler.engine.model.moe import GatedMLP
 from handler.engine.model.support import with_family_defaults
 
 
@@ -104,11 +106,27 @@ class DecoderModel:
         """The llama block; gpt_oss's layers add sinks to attention and alternate sliding and full attention."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            h = self.norm(x, layer.input_norm, eps)
-            x = x + layer.out(self._attention(*layer.split(layer.qkv(h), cos, sin), index, layout, cache,
-                                              sliding=layer.sliding, sinks=layer.sinks))
-            x = x + layer.mlp(self.norm(x, layer.post_norm, eps))
+            attention = self._attention(*layer.split(self._normed(layer.qkv, x, layer.input_norm), cos, sin), index,
+                                        layout, cache, sliding=layer.sliding, sinks=layer.sinks)
+            x = _plus(layer.out, attention, x)
+            mlp = layer.mlp
+            if type(mlp) is GatedMLP:
+                x = _plus(mlp.down, mlp.gated(self._normed(mlp.gate_up, x, layer.post_norm)), x)
+            else:
+                x = x + mlp(self.norm(x, layer.post_norm, eps))
         return x
+
+    def _normed(self, linear: object, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``linear(norm(x, weight))``: one call of the int8 kernel where it takes the rows and the norm is our
+        kernel's (the same bits: ``Int8DynamicLinear.fused``). With ``_plus``, a decode step of the embedded model
+        makes 60 calls fewer: 9.84 -> 9.32 ms a step here (batch 1, medians of 12 alternated runs)."""
+        eps = self.shape.rms_norm_eps
+        lanes = getattr(self.norm, "lanes", None)
+        if lanes is not None and type(linear) is Int8DynamicLinear:
+            y = linear.fused(x, norm=(weight, eps, lanes))
+            if y is not None:
+                return y
+        return linear(self.norm(x, weight, eps))
 
     def _post_norm_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: StepLayout,
                           cache: KVStore) -> torch.Tensor:
@@ -193,6 +211,15 @@ class DecoderModel:
                       self.spec.attn_softcap, sinks)
         out = out.view(s.num_kv_heads, groups, KEY_BLOCK, s.head_dim)[:, :, offset:offset + t]
         return out.permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _plus(linear: object, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)``, the add in the int8 kernel's call where it takes the rows (the same bits)."""
+    if type(linear) is Int8DynamicLinear:
+        y = linear.fused(x, residual=residual)
+        if y is not None:
+            return y
+    return residual + linear(x)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from handler.config import INT8_SITES
-from handler.engine.model.kernels import KERNEL_ROWS, cpu_flags, int8_kernel
+from handler.engine.model.kernels import KERNEL_ROWS, NORM_WIDTHS, cpu_flags, int8_kernel
 
 
 class DenseLinear:
@@ -110,6 +110,21 @@ class Int8DynamicLinear:
             return self.int8, self.scales
         weight, _bias = torch.ops.quantized.linear_unpack(self.packed)
         return weight.int_repr(), weight.q_per_channel_scales().float()
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+              norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
+        """``residual + self(rms_norm(x, weight, eps))`` in one kernel call (each part where given; ``norm``:
+        ``(weight, eps, lanes)``, the norm ``kernels.fused_rms_norm`` computes with those lanes), the same bits as the
+        ops one by one; None where the kernel does not take these rows (the caller runs the ops)."""
+        if self.kernel is None or not 0 < x.shape[0] <= KERNEL_ROWS or x.dtype is not torch.float32 or x.dim() != 2:
+            return None
+        if residual is not None and not (residual.dtype is torch.float32 and residual.is_contiguous()
+                                         and residual.shape == (x.shape[0], self.int8.shape[0])):
+            return None
+        if norm is not None and not (norm[0].dtype is torch.float32 and norm[0].is_contiguous()
+                                     and norm[0].shape == (x.shape[1],) and x.shape[1] in NORM_WIDTHS):
+            return None
+        return self._kernel_rows(x, residual, norm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.shape[0] < FBGEMM_ROWS:

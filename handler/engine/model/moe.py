@@ -55,8 +55,12 @@ class GatedMLP:
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(self.activation(gate) * up)
+        return self.down(self.gated(self.gate_up(h)))
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``activation(gate) * up`` of gate_up's output (what down reads)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.activation(gate) * up
 
 
 @dataclass(slots=True)

@@ -59,8 +59,8 @@ class Int8Kernel:
         self.lib.kv_write_rows.restype = integer
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
-        self.codes = torch.empty(0, dtype=torch.uint8)
-        self._codes = ctypes.c_void_p(self.codes.data_ptr())
+        self.codes, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+        self._codes, self._normed = ctypes.c_void_p(self.codes.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
@@ -76,31 +76,40 @@ class Int8Kernel:
         return self.bind(weight, col_sums, scales, row_sums, bias)(x)
 
     def bind(self, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
-             bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+             bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
         """``split_linear`` of these weights as a function of ``x`` alone (1 to ``MAX_ROWS`` rows): their pointers
         are made once, so a call costs ~3 us of Python and ctypes instead of ~7 (the embedded model's step makes
-        121). The caller keeps the tensors alive and unchanged for as long as it calls it."""
+        121). The caller keeps the tensors alive and unchanged for as long as it calls it.
+
+        The function also takes ``residual`` (``[rows, n]`` fp32 contiguous: ``residual + linear(x)``, as torch's
+        add after it) and ``norm`` (``(weight, eps, lanes)``: ``linear(rms_norm(x))``, the norm as ``rms_norm.c``
+        computes it with those lanes), each in the same call (``Int8DynamicLinear.fused``)."""
         n, k = weight.shape
         self._room_for(k)
         pointer = ctypes.c_void_p
         fixed = (pointer(weight.data_ptr()), pointer(col_sums.data_ptr()), pointer(scales.data_ptr()),
                  pointer(row_sums.data_ptr()), None if bias is None else pointer(bias.data_ptr()), n)
-        call, empty = self.lib.int8_split_linear, torch.empty
+        call, empty, no_norm = self.lib.int8_split_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
 
-        def linear(x: torch.Tensor) -> torch.Tensor:
+        def linear(x: torch.Tensor, residual: torch.Tensor | None = None,
+                   norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
             x = x.contiguous()
             rows = x.shape[0]
             y = empty(rows, n)
-            call(pointer(x.data_ptr()), rows, k, *fixed, self._codes, pointer(y.data_ptr()))
+            norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
+            call(pointer(x.data_ptr()), rows, k, *fixed, self._codes, pointer(y.data_ptr()),
+                 None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed)
             return y
 
         return linear
 
     def _room_for(self, k: int) -> None:
-        """The codes scratch holds ``MAX_ROWS`` rows of width ``k`` (grown, never shrunk; one per process)."""
+        """The codes and norm scratch hold ``MAX_ROWS`` rows of width ``k`` (grown, never shrunk; one per process)."""
         if self.codes.numel() < 2 * MAX_ROWS * k:
             self.codes = torch.empty(2 * MAX_ROWS * k, dtype=torch.uint8)
             self._codes = ctypes.c_void_p(self.codes.data_ptr())
+            self.normed = torch.empty(MAX_ROWS * k)
+            self._normed = ctypes.c_void_p(self.normed.data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
@@ -177,7 +186,7 @@ def cpu_flags() -> set[str]:
 
 # rows this wide or wider: torch may split one row's sum between threads (its reductions split above 32768
 # elements), which ``rms_norm.c`` does not follow; narrower than 16: torch sums them as scalars
-_NORM_WIDTHS = range(16, 32768)
+NORM_WIDTHS = range(16, 32768)
 
 
 @functools.cache
@@ -206,11 +215,12 @@ def fused_rms_norm():
 
 def _norm_of(kernel: Int8Kernel, lanes: int):
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] in _NORM_WIDTHS
+        if (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] in NORM_WIDTHS
                 and weight.dtype is torch.float32 and weight.is_contiguous()):
             return kernel.rms_norm(x, weight, eps, lanes)
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
+    norm.lanes = lanes  # what a Linear's kernel call needs to compute this norm itself (``Int8DynamicLinear.fused``)
     return norm
 
 

@@ -28,6 +28,7 @@ typedef struct {
     const float *scales;      /* [n]: per-channel weight scale (fp32, as fbgemm applies it) */
     const float *row_sums;    /* [n]: dequantised row sums (linear.py's row_sums) */
     const float *bias;        /* [n] or NULL */
+    const float *residual;    /* [rows, n] added to the output, or NULL */
     const uint8_t *codes;     /* [rows][2][k]: h + 64 then l + 64 per row, in 0..127 */
     const float *step, *centre;
     float *y;                 /* [rows, n] */
@@ -83,6 +84,7 @@ static void run_channels(const job_t *job, int first, int last) {
             float y = (high * 128.0f + low) * job->step[r];
             y = fmaf(job->centre[r], row_sum, y);
             if (job->bias) y = y + job->bias[c];
+            if (job->residual) y = job->residual[(size_t)r * job->n + c] + y;
             job->y[(size_t)r * job->n + c] = y;
         }
     }
@@ -117,6 +119,7 @@ static inline __attribute__((always_inline)) void finish_four(const job_t *job, 
         __m128 y = _mm_mul_ps(_mm_add_ps(_mm_mul_ps(hi, _mm_set1_ps(128.0f)), lo), _mm_set1_ps(job->step[r]));
         y = _mm_fmadd_ps(_mm_set1_ps(job->centre[r]), row_sums, y);
         if (job->bias) y = _mm_add_ps(y, _mm_loadu_ps(job->bias + c));
+        if (job->residual) y = _mm_add_ps(_mm_loadu_ps(job->residual + (size_t)r * job->n + c), y);
         _mm_storeu_ps(job->y + (size_t)r * job->n + c, y);
     }
 }
@@ -233,15 +236,23 @@ static void quantise_rows(const float *x, int rows, int k, uint8_t *codes, float
     }
 }
 
-/* y[rows, n] = the split int8 linear of x[rows, k]; codes: scratch of rows * 2 * k bytes. Returns 0, or -1 when
- * rows is out of range. */
+int rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *weight, float eps, int lanes, float *y);
+
+/* y[rows, n] = the split int8 linear of x[rows, k]; codes: scratch of rows * 2 * k bytes. With ``norm_weight``, of
+ * rms_norm_rows(x, norm_weight, eps, lanes) instead (written to ``normed``, rows * k floats of scratch): the norm
+ * before a Linear in one call. With ``residual`` ([rows, n]), residual + that, as torch's add after the Linear: one
+ * IEEE add, so the same bits. Returns 0, or -1 when rows is out of range or the norm refuses its lanes. */
 int int8_split_linear(const float *x, int rows, int k, const int8_t *weight, const int32_t *col_sums,
                       const float *scales, const float *row_sums, const float *bias, int n, uint8_t *codes,
-                      float *y) {
+                      float *y, const float *residual, const float *norm_weight, float eps, int lanes, float *normed) {
     if (rows < 1 || rows > MAX_ROWS) return -1;
+    if (norm_weight) {
+        if (rms_norm_rows(x, rows, k, norm_weight, eps, lanes, normed) != 0) return -1;
+        x = normed;
+    }
     float step[MAX_ROWS], centre[MAX_ROWS];
     quantise_rows(x, rows, k, codes, step, centre);
-    job_t job = {weight, col_sums, scales, row_sums, bias, codes, step, centre, y, rows, n, k};
+    job_t job = {weight, col_sums, scales, row_sums, bias, residual, codes, step, centre, y, rows, n, k};
     /* channels in blocks of 8, statically over torch's own OpenMP threads */
     const int blocks = (n + 7) / 8;
 #pragma omp parallel for schedule(static) if (blocks > 8)
