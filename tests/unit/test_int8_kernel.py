@@ -140,8 +140,9 @@ def test_the_norm_before_and_the_residual_after_in_one_call_are_the_ops_one_by_o
             normed = norm(x, weight, 1e-5)
             assert torch.equal(layer.fused(x, norm=(weight, 1e-5, norm.lanes)), layer(normed))
             assert torch.equal(layer.fused(x, residual=residual), residual + layer(x))
-            assert torch.equal(layer.fused(x, residual, (weight, 1e-5, norm.lanes)), residual + layer(normed))
-            assert torch.equal(layer.fused(x, residual, (weight, 1e-5, norm.lanes)), residual + torch_path(layer, normed))
+            both = layer.fused(x, residual, (weight, 1e-5, norm.lanes))
+            assert torch.equal(both, residual + layer(normed))
+            assert torch.equal(both, residual + torch_path(layer, normed))
     x = rows_with_outliers(kernels.KERNEL_ROWS + 1, in_features, generator)
     assert layer.fused(x) is None, "more rows than the kernel takes"
     assert layer.fused(x[:2], residual=torch.zeros(2, 5)) is None, "a residual of another shape"

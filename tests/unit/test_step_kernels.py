@@ -118,3 +118,33 @@ def test_the_kv_write_kernel_writes_what_index_put_writes() -> None:
             kernel.kv_write(cache.keys[1], cache.values[1], first, k, v, bad)
         assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
     assert not kernel.kv_write(cache.keys[1], cache.values[1], 2, k.double(), v.double(), positions)
+
+
+@pytest.mark.parametrize("width", [8, 16, 33, 100, 1536, 2048, 4864, 8960, 11008, 14336])
+def test_the_fused_silu_gives_torchs_bits(width: int) -> None:
+    """``silu.c``: a gated MLP's ``silu(gate) * up`` equals torch's two ops on random rows (tiny values, values past
+    exp's range, widths that leave scalar tails), and ``GatedMLP.gated`` takes it. On the AVX2 and AVX-512 machines
+    this was built on torch's dispatch runs SLEEF's exp on 8 and 16 floats, so the kernel must be taken on both."""
+    from handler.engine.model.moe import GatedMLP
+
+    gated = kernels.fused_silu_mul()
+    assert gated is not None, f"the fused SiLU was not taken ({torch.backends.cpu.get_cpu_capability()})"
+    mlp = GatedMLP(gate_up=None, down=None)
+    generator = torch.Generator().manual_seed(width)
+    for rows in (1, 3, 8, 33):
+        for scale in (1e-6, 1e-2, 1.0, 10.0, 150.0):
+            gate_up = torch.randn(rows, 2 * width, generator=generator) * scale
+            gate, up = gate_up.chunk(2, dim=-1)
+            expected = F.silu(gate) * up
+            assert torch.equal(gated(gate_up), expected), (rows, scale)
+            assert torch.equal(mlp.gated(gate_up), expected), (rows, scale)
+
+
+def test_a_silu_computed_otherwise_would_not_give_torchs_bits() -> None:
+    """What the test above guards: the last bits depend on how exp is computed (here in double precision, then
+    rounded), so only SLEEF's own exp, as torch calls it, reproduces torch's SiLU."""
+    import math
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 4
+    scalar = torch.tensor([v / (1.0 + math.exp(-v)) for v in x.double().tolist()]).float()
+    assert not torch.equal(scalar, F.silu(x))

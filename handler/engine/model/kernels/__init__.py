@@ -1,6 +1,6 @@
 """The lean engine's own CPU kernels: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``),
-RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), and a decode
-step's KV writes (``kv_cache.c``).
+RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode
+step's KV writes (``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``).
 
 Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
 more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
@@ -53,6 +53,10 @@ class Int8Kernel:
         self.lib.split_rotate_rows.argtypes = [pointer, ctypes.c_int64, integer, integer, integer, pointer, pointer,
                                                pointer]
         self.lib.split_rotate_rows.restype = None
+        self.lib.silu_mul_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, integer, pointer]
+        self.lib.silu_mul_rows.restype = integer
+        self.lib.silu_use_exp.argtypes = [pointer, pointer]
+        self.lib.silu_use_exp.restype = None
         self.lib.kv_write_rows.argtypes = [pointer, pointer, ctypes.c_int64, ctypes.c_int64, integer, integer,
                                            ctypes.c_int64, ctypes.c_int64, pointer, pointer, ctypes.c_int64, pointer,
                                            ctypes.c_int64]
@@ -236,3 +240,61 @@ def _norm_mismatch(norm) -> str | None:
             if not torch.equal(norm(x, weight, 1e-6), expected):
                 return f"width {width}, scale {scale}"
     return None
+
+
+@functools.cache
+def fused_silu_mul():
+    """``gated(gate_up)``: ``F.silu(gate) * up`` of fp32 ``gate_up`` rows ``[rows, 2 * inter]`` (gate columns first),
+    bit for bit, in one kernel call (``silu.c``, calling torch's own SLEEF exp); None where the kernel cannot run or
+    does not reproduce torch here. Decided once per process, as ``fused_rms_norm``: the vector width (8 or 16 floats)
+    whose output equals torch's ops on seeded random rows is taken; where neither does, torch's ops run (one log
+    line)."""
+    kernel = int8_kernel()
+    if kernel is None:
+        return None
+    try:
+        sleef = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        addresses = [ctypes.cast(getattr(sleef, name), ctypes.c_void_p) if hasattr(sleef, name) else None
+                     for name in ("Sleef_expf8_u10", "Sleef_expf16_u10")]
+    except OSError as error:
+        log.warning("SiLU: torch's SLEEF functions could not be found (%s); torch's ops run", error)
+        return None
+    if "avx512f" not in cpu_flags():
+        addresses[1] = None
+    kernel.lib.silu_use_exp(*addresses)
+    mismatches = []
+    for lanes, address in zip((8, 16), addresses, strict=True):
+        if address is None:
+            continue
+        gated = _silu_mul_of(kernel, lanes)
+        mismatch = _silu_mul_mismatch(gated)
+        if mismatch is None:
+            return gated
+        mismatches.append(f"{lanes} lanes: {mismatch}")
+    log.warning("SiLU: the fused kernel differs from torch's ops on this CPU (%s; torch's dispatch: %s); torch's "
+                "ops run", "; ".join(mismatches) or "no SLEEF exp", torch.backends.cpu.get_cpu_capability())
+    return None
+
+
+def _silu_mul_of(kernel: Int8Kernel, lanes: int):
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2)
+        kernel.lib.silu_mul_rows(gate_up.data_ptr(), rows, width // 2, lanes, out.data_ptr())
+        return out
+
+    return gated
+
+
+def _silu_mul_mismatch(gated) -> str | None:
+    """Where ``gated`` differs from torch's ``F.silu(gate) * up`` on seeded random rows (widths of real models and
+    odd ones, values from tiny to past exp's range), else None."""
+    generator = torch.Generator().manual_seed(0)
+    for width in (7, 16, 40, 100, 1536, 2048, 4864, 8960, 11008, 14336):
+        for scale in (1e-3, 1.0, 8.0, 100.0):
+            gate_up = torch.randn(3, 2 * width, generator=generator) * scale
+            gate, up = gate_up.chunk(2, dim=-1)
+            if not torch.equal(gated(gate_up), torch.nn.functional.silu(gate) * up):
+                return f"width {width}, scale {scale}"
+    return None
+
