@@ -205,15 +205,20 @@ def fused_rms_norm():
     kernel = int8_kernel()
     if kernel is None:
         return None
+    return _matching("RMSNorm", {lanes: _norm_of(kernel, lanes) for lanes in (8, 16)}, _norm_mismatch)
+
+
+def _matching(name: str, candidates: dict, mismatch_of):
+    """The first of ``candidates`` (by vector width) whose output equals torch's here (``mismatch_of`` is None),
+    else None, with one log line naming where each differed."""
     mismatches = []
-    for lanes in (8, 16):
-        norm = _norm_of(kernel, lanes)
-        mismatch = _norm_mismatch(norm)
+    for lanes, candidate in candidates.items():
+        mismatch = mismatch_of(candidate)
         if mismatch is None:
-            return norm
+            return candidate
         mismatches.append(f"{lanes} lanes: {mismatch}")
-    log.warning("RMSNorm: the fused kernel's sums differ from torch's on this CPU (%s; torch's dispatch: %s); "
-                "torch's op runs", "; ".join(mismatches), torch.backends.cpu.get_cpu_capability())
+    log.warning("%s: the fused kernel differs from torch's ops on this CPU (%s; torch's dispatch: %s); torch's ops "
+                "run", name, "; ".join(mismatches) or "no kernel to try", torch.backends.cpu.get_cpu_capability())
     return None
 
 
@@ -262,18 +267,9 @@ def fused_silu_mul():
     if "avx512f" not in cpu_flags():
         addresses[1] = None
     kernel.lib.silu_use_exp(*addresses)
-    mismatches = []
-    for lanes, address in zip((8, 16), addresses, strict=True):
-        if address is None:
-            continue
-        gated = _silu_mul_of(kernel, lanes)
-        mismatch = _silu_mul_mismatch(gated)
-        if mismatch is None:
-            return gated
-        mismatches.append(f"{lanes} lanes: {mismatch}")
-    log.warning("SiLU: the fused kernel differs from torch's ops on this CPU (%s; torch's dispatch: %s); torch's "
-                "ops run", "; ".join(mismatches) or "no SLEEF exp", torch.backends.cpu.get_cpu_capability())
-    return None
+    candidates = {lanes: _silu_mul_of(kernel, lanes)
+                  for lanes, address in zip((8, 16), addresses, strict=True) if address is not None}
+    return _matching("SiLU", candidates, _silu_mul_mismatch)
 
 
 def _silu_mul_of(kernel: Int8Kernel, lanes: int):
