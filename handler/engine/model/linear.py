@@ -151,8 +151,8 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # From this many rows a kernel layer takes fbgemm's GEMM (packing it first where it waits, ~7 ms for one of the
 # embedded model's Linears, 0.25 s for its head); below, the kernel 8 rows at a time, which reads the weights once per
 # 8 rows and still beat fbgemm (the same bits either way). Measured here (Intel, AVX-512 VNNI, 2 threads), the
-# embedded model's whole step, kernel against fbgemm: decode batches of 8 rows 22.2 / 23.1 ms, 16: 41.3 / 49.9,
-# 24: 60.6 / 63.8, 32: 83.6 / 79.7; prefill chunks of 15 rows 34 / 45 ms, 30: 63 / 59, 60: 124 / 103.
+# embedded model's whole step, kernel against fbgemm: decode batches of 16 rows 41.3 / 49.9 ms, 24: 60.6 / 63.8,
+# 32: 83.6 / 79.7; prefill chunks of 15 rows 34 / 45 ms, 30: 63 / 59, 60: 124 / 103.
 FBGEMM_ROWS = 32
 # kernel layers whose fbgemm packing waits, until ``pack_one`` packs them
 _DEFERRED: weakref.WeakSet = weakref.WeakSet()
