@@ -170,14 +170,6 @@ def pack_one() -> bool:
     return True
 
 
-def pack_deferred() -> int:
-    """Pack every kernel layer whose fbgemm packing waits; how many it packed."""
-    count = 0
-    while pack_one():
-        count += 1
-    return count
-
-
 def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
     """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
     centre term ``c * rowsum(W)`` matches the integer product exactly."""

@@ -5,7 +5,7 @@ What is kept: each layer's smoothed norms, every int8 Linear's int8 weights, sca
 adapters follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quantize`` changes. The rest of
 the model (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is
 safetensors, memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own
-layout, per CPU), after the engine is ready where the decode kernel can serve meanwhile (``linear.pack_deferred``).
+layout, per CPU), after the engine is ready where the decode kernel can serve meanwhile (``linear.pack_one``).
 
 Where: in the start cache (``handler.start_cache``), named by the folder, the split sites and activation levels, and
 the source of the code that computes it. Written to a temporary name and renamed, so a start killed mid-write
@@ -131,7 +131,7 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
                                            sums=(tensors[f"{name}.row_sums"], tensors[f"{name}.col_sums"]))
 
     # fbgemm's packing, which was most of this (0.95 s of the embedded model's, on two threads), waits until the
-    # engine is ready (``linear.pack_deferred``), and the sums are read, not computed
+    # engine is ready (``linear.pack_one``), and the sums are read, not computed
     linears = {f"{index}.{site}": get_linear(f"{index}.{site}", site.rpartition(".")[2])
                for index in range(len(model.layers)) for site in SITES}
     for index, layer in enumerate(model.layers):
