@@ -162,7 +162,7 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
                                on_load_failed=stop_on_load_failure)
     except (HandlerLoadError, ConfigError) as error:
         raise handler_load_failure(error) from error
-    drain = Drain(grace_s, lambda: service.engine.stop(STOPPED_MESSAGE))
+    drain = Drain(grace_s, service.engine.stop, STOPPED_MESSAGE)
     drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
     app = create_app(service, drain.draining.is_set)

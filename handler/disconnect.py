@@ -20,15 +20,22 @@ import socket
 import threading
 from collections.abc import Callable
 
+from handler.threads import start_supervised
+
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
+THREAD_NAME = "disconnect-watcher"
 
 
 class DisconnectWatcher:
+    """Each socket is watched once, however many generations its request submitted (a legacy batch submits one per
+    prompt): its close calls every ``on_close`` given for it."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._watched: dict[int, tuple[socket.socket, Callable[[], None]]] = {}
+        self._callbacks: dict[socket.socket, dict[int, Callable[[], None]]] = {}
+        self._sockets: dict[int, socket.socket] = {}   # key -> its socket
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -37,59 +44,73 @@ class DisconnectWatcher:
         ``unwatch``."""
         key = next(self._ids)
         with self._lock:
-            self._watched[key] = (sock, on_close)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="disconnect-watcher", daemon=True)
-                self._thread.start()
+            self._callbacks.setdefault(sock, {})[key] = on_close
+            self._sockets[key] = sock
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = start_supervised(THREAD_NAME, self._run)
         return key
 
     def unwatch(self, key: int) -> None:
         with self._lock:
-            self._watched.pop(key, None)
+            self._forget(key)
+
+    def _forget(self, key: int) -> None:
+        sock = self._sockets.pop(key, None)
+        callbacks = self._callbacks.get(sock)
+        if callbacks is not None:
+            callbacks.pop(key, None)
+            if not callbacks:
+                del self._callbacks[sock]
 
     @property
     def num_watched(self) -> int:
-        return len(self._watched)
+        """Sockets watched (one per request, whatever its number of generations)."""
+        return len(self._callbacks)
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                watched = list(self._watched.items())
+                watched = list(self._callbacks)
             if not watched:
                 threading.Event().wait(POLL_SECONDS)
                 continue
-            for key in self._readable(watched):
-                self._check(key)
+            for sock in self._readable(watched):
+                self._check(sock)
 
-    @staticmethod
-    def _readable(watched: list[tuple[int, tuple[socket.socket, Callable[[], None]]]]) -> list[int]:
+    def _readable(self, watched: list[socket.socket]) -> list[socket.socket]:
         selector = selectors.DefaultSelector()
         try:
-            for key, (sock, _on_close) in watched:
+            for sock in watched:
                 try:
-                    selector.register(sock, selectors.EVENT_READ, key)
+                    selector.register(sock, selectors.EVENT_READ)
                 except (ValueError, OSError):  # already closed by the server: nothing left to watch
-                    continue
-            return [selector_key.data for selector_key, _events in selector.select(POLL_SECONDS)]
+                    self._drop(sock)
+                except Exception:  # anything else about one socket ends its watch, never the watcher
+                    log.exception("cannot watch a request's connection; its disconnect goes unnoticed")
+                    self._drop(sock)
+            return [selector_key.fileobj for selector_key, _events in selector.select(POLL_SECONDS)]
         finally:
             selector.close()
 
-    def _check(self, key: int) -> None:
+    def _drop(self, sock: socket.socket) -> list[Callable[[], None]]:
         with self._lock:
-            entry = self._watched.get(key)
-        if entry is None:
-            return
-        sock, on_close = entry
+            callbacks = self._callbacks.pop(sock, {})
+            for key in callbacks:
+                self._sockets.pop(key, None)
+        return list(callbacks.values())
+
+    def _check(self, sock: socket.socket) -> None:
         try:
             data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return  # a spurious wake-up
         except OSError:
             data = b""  # reset by the peer, or closed under us: either way nobody reads the answer
-        self.unwatch(key)
+        callbacks = self._drop(sock)
         if data:
             return  # the client sent more (pipelining): not a close, and no longer ours to judge
-        try:
-            on_close()
-        except Exception:  # a cancel must never stop the watcher
-            log.exception("cancelling a disconnected request failed")
+        for on_close in callbacks:
+            try:
+                on_close()
+            except Exception:  # a cancel must never stop the watcher
+                log.exception("cancelling a disconnected request failed")

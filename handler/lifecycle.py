@@ -5,7 +5,9 @@ On SIGTERM a worker keeps accepting connections but turns away new work: /ping a
 which closes it; the master then exits 0. gunicorn alone would stop accepting at once, so /ping would hang instead
 of saying 503. When the grace period ends with requests still running, ``on_grace_over`` ends them (the engine
 stops with a reason), and the worker waits up to ``FLUSH_S`` more for their responses to close: each stream sends
-its final error record and each request gets its log line before the worker exits.
+its final error record and each request gets its log line before the worker exits. Either way the engine is
+stopped before the worker exits (``stop_engine(None)`` when nothing was left in flight): a backend that stops in
+order logs its stop at INFO, where one left to the interpreter's exit (vLLM's engine process) logged a crash.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ FLUSH_S = 2.0  # after the grace period: time for ended streams to write their f
 class Drain:
     """Counts requests in flight (a WSGI middleware) and runs the SIGTERM sequence."""
 
-    def __init__(self, grace_s: float, on_grace_over: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, grace_s: float, stop_engine: Callable[[str | None], None] = lambda reason: None,
+                 grace_over_message: str = "the server is stopping") -> None:
+        """``stop_engine(reason)``: with a reason, what still runs ends with an error carrying it."""
         self.grace_s = grace_s
-        self._on_grace_over = on_grace_over
+        self._stop_engine = stop_engine
+        self._grace_over_message = grace_over_message
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -61,10 +66,12 @@ class Drain:
         signal.signal(signal.SIGTERM, on_term)
 
     def _finish(self, previous: object, signum: int, frame: object) -> None:
-        if not self._wait_idle(self.grace_s):
+        if self._wait_idle(self.grace_s):
+            self._stop_engine(None)
+        else:
             log.warning("ending %d requests still in flight after the %.0f s grace period", self._in_flight,
                         self.grace_s)
-            self._on_grace_over()
+            self._stop_engine(self._grace_over_message)
             if not self._wait_idle(FLUSH_S):
                 log.warning("stopping with %d responses still open", self._in_flight)
         if callable(previous):

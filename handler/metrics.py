@@ -86,12 +86,20 @@ ADAPTER_TOKENS = Counter("llm_adapter_generated_tokens_total", "Completion token
                          "adapter.", ["adapter"])
 ADAPTER_EVENTS = Counter("llm_adapter_events_total", "LoRA adapters loaded into memory and evicted from it "
                          "(option.max_loras), by adapter and event.", ["adapter", "event"])
+THREAD_RESTARTS = Counter("llm_thread_restarts_total",
+                          "Background threads of a worker (disconnect watcher, engine loop, ...) started again "
+                          "after an unexpected error, by thread; each is in the log with its cause.", ["thread"])
 ENGINE_PATH = Gauge("llm_engine_path_info", "1 for the engine path serving the model (lean or transformers) and why.",
                     ["path", "reason"], multiprocess_mode="livemax")
 
 
 def record_engine_path(path: str, reason: str) -> None:
     ENGINE_PATH.labels(path=path, reason=reason).set(1)
+
+
+def record_thread_restart(thread: str) -> None:
+    """``handler.threads``' restart listener."""
+    THREAD_RESTARTS.labels(thread=thread).inc()
 
 
 def record_step(stats: EngineStats) -> None:

@@ -45,6 +45,7 @@ class RequestRecord:
     last_token_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (handle, choice) -> time
     cut_by_deadline: bool = False                          # a choice ended at option.request_timeout with its text
     adapter: str | None = None                             # the LoRA adapter it generated with (None: the base)
+    client_closed: bool = False                            # its client hung up first: its generations were cancelled
 
     def on_event(self, handle_key: int, event: TokenEvent, now: float) -> float | None:
         """Take one event; returns the gap since the same choice's previous token, if there was one."""
@@ -75,6 +76,8 @@ class RequestRecord:
             line["ignored_fields"] = list(self.ignored_fields)
         if self.adapter is not None:
             line["adapter"] = self.adapter
+        if self.client_closed:
+            line["cancelled"] = "client closed the connection"
         return line
 
     @property

@@ -300,6 +300,18 @@ class RequestReader:
             self.take(conn, data)
 
     def on_readable(self, conn: DeadlineConn, _sock) -> None:
+        """The event loop's callback for a connection: an unexpected error closes that connection, never the
+        worker's loop (it runs every connection of the worker)."""
+        try:
+            self._readable(conn)
+        except Exception:
+            self.worker.log.exception("reading a request from %s failed; its connection is closed", conn.client[0])
+            try:
+                self.drop(conn)
+            except Exception:  # already half-forgotten: the close is what matters
+                conn.close()
+
+    def _readable(self, conn: DeadlineConn) -> None:
         try:
             data = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):

@@ -74,7 +74,7 @@ from handler.protocol.completions import CompletionRequest
 from handler.protocol.embeddings import EmbeddingRequestBody
 from handler.protocol.legacy import LegacyRequest
 from handler.protocol.responses import ResponsesRequest, responses_error
-from handler.request_log import ObservedHandle
+from handler.request_log import ObservedHandle, RequestRecord
 from handler.response_store import StoredResponse
 from handler.service import ModelService
 
@@ -447,18 +447,25 @@ class Routes:
         finally:
             self._record_adapter_events()
         current_record().adapter = generation.adapter
-        self._watch(handle)
+        self._watch(handle, current_record())
         record = current_record()
         if not g.get("has_engine_id"):  # a legacy batch is known by its first prompt's id
             g.request_id = record.request_id = generation.request_id
             g.has_engine_id = True
         return ObservedHandle(handle, record)
 
-    def _watch(self, handle) -> None:
-        """Cancel ``handle`` as soon as the client's connection closes (not only when a write fails)."""
+    def _watch(self, handle, record: RequestRecord) -> None:
+        """Cancel ``handle`` as soon as the client's connection closes (not only when a write fails); the request
+        log says why. A request of several generations (a legacy batch) shares one watch of its socket."""
         sock = request.environ.get("gunicorn.socket")  # absent under a test client
-        if sock is not None:
-            g.setdefault("watch_keys", []).append(self.watcher.watch(sock, handle.cancel))
+        if sock is None:
+            return
+
+        def on_close() -> None:
+            record.client_closed = True
+            handle.cancel()
+
+        g.setdefault("watch_keys", []).append(self.watcher.watch(sock, on_close))
 
     def _submit_all(self, generations) -> list[ObservedHandle]:
         handles: list[ObservedHandle] = []

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from handler import metrics
+from handler import metrics, threads
 from handler.adapter_registry import SharedAdapters
 from handler.config import Settings
 from handler.djl import UserHandler, find_entry_point
@@ -125,6 +125,7 @@ class ModelService:
         self._adapters_lock = threading.Lock()
 
     def start(self) -> None:
+        threads.on_restart(metrics.record_thread_restart)
         self.engine.start()
         if self.user_handler is not None:
             threading.Thread(target=self._initialise_user_handler, name="handler-init", daemon=True).start()

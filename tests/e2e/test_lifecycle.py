@@ -43,9 +43,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path):
         reader.join(timeout=120)
         assert lines[-1]["generated_text"] is not None and len(lines) == 24
         assert server.process.wait(timeout=40) == 0
+        log = server.log()
+        assert not error_lines(log), log[-3000:]  # a planned stop is not an error
+        assert "lean engine stopped" in log or "vLLM engine shut down" in log, log[-3000:]
     finally:
         stop_server(server)
         reader.join(timeout=5)
+
+
+def error_lines(log: str) -> list[str]:
+    """Lines logged at ERROR (ours and gunicorn's format), tracebacks and dead threads."""
+    return [line for line in log.splitlines()
+            if " ERROR " in line or "[ERROR]" in line or line.startswith(("Traceback", "Exception in thread"))]
 
 
 def _read_stream(url: str, body: dict, headers: dict, sink: list) -> None:
@@ -103,12 +112,21 @@ def test_streams_still_running_when_the_grace_ends_get_a_final_record_and_a_log_
 
 def test_a_client_that_disconnects_frees_its_slot_without_writing(tmp_path):
     """A non-streaming request writes nothing until its answer is ready, so only the watcher can notice its client
-    closing: the request ends aborted after a few tokens instead of generating all 4000."""
+    closing: the request ends aborted after a few tokens instead of generating all 4000, and the request log says
+    why. A legacy batch first (its one socket watched for two generations) leaves the watcher working, with no
+    thread's traceback in the log: such a batch once killed the watcher, and hung-up requests then ran to their
+    end."""
     server = start_server(tmp_path)
     try:
-        body = json.dumps({"inputs": "Count:", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+        batch = requests.post(f"{server.url}/invocations", timeout=120, json={
+            "inputs": ["The capital of France is", "The capital of Italy is"], "parameters": {"max_new_tokens": 4}})
+        assert batch.status_code == 200 and len(batch.json()) == 2
+        legacy = {"inputs": "Count:", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+        chat = {"messages": [{"role": "user", "content": "Count to ten thousand."}], "max_tokens": 4000,
+                "ignore_eos": True}
         sockets = []
-        for _ in range(3):
+        for payload in (legacy, legacy, chat):
+            body = json.dumps(payload).encode()
             sock = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10)
             sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -124,8 +142,12 @@ def test_a_client_that_disconnects_frees_its_slot_without_writing(tmp_path):
         assert metric(server.url, "llm_running_requests") == 0
     finally:
         stop_server(server)
-    logged = [json.loads(line) for line in server.log().splitlines() if line.startswith("{") and '"route"' in line]
-    aborted = [entry for entry in logged if entry.get("route") == "/invocations"]
-    assert len(aborted) == 3, server.log()[-3000:]
+    log = server.log()
+    logged = [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"route"' in line]
+    aborted = [entry for entry in logged if entry.get("route") == "/invocations" and entry.get("cancelled")]
+    assert len(aborted) == 3, log[-3000:]
     assert all(entry["completion_tokens"] < 4000 for entry in aborted), aborted
+    assert {entry["schema"] for entry in aborted} == {"legacy", "chat"}
+    assert all(entry["cancelled"] == "client closed the connection" for entry in aborted)
+    assert not [line for line in error_lines(log) if "Exception in thread" in line or "Traceback" in line], log[-3000:]
 

@@ -264,3 +264,44 @@ def test_beam_search_equals_transformers_generate(engine, renderer, width: int, 
     assert [together[i].token_ids for i in range(n)] == expected
     assert all(collect(h)[0].finish is not None for h in neighbours)
     assert len({tuple(t) for t in expected}) == n  # distinct beams: the forks really diverged
+
+
+
+def fail_once(monkeypatch, owner, name: str, error: Exception) -> None:
+    """``owner.name`` raises ``error`` at its first call, then behaves as before."""
+    real = getattr(owner, name)
+    failures = iter([error])
+
+    def once(*args, **kwargs):
+        pending = next(failures, None)
+        if pending is not None:
+            raise pending
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, once)
+
+
+def test_a_request_the_scheduler_cannot_take_fails_alone(engine, renderer, monkeypatch) -> None:
+    fail_once(monkeypatch, engine._loop.scheduler, "add", RuntimeError("bad item"))
+    failed = collect(engine.submit(greedy("bad", chat_ids(renderer, PROMPTS[0]))))[0]
+    assert failed.finish is not None and failed.finish.finish_reason is FinishReason.ERROR
+    assert "bad item" in failed.finish.error
+    served = collect(engine.submit(greedy("next", chat_ids(renderer, PROMPTS[0]))))[0]
+    assert served.finish is not None and served.finish.finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+
+
+def test_an_error_outside_a_model_step_ends_the_requests_in_flight_and_the_engine_goes_on(engine, renderer,
+                                                                                          monkeypatch) -> None:
+    """The engine thread's own bookkeeping raising (here: the scheduler, once) ends what is in flight with an error
+    event, is counted as a restart of the engine loop, and the next request is served."""
+    from handler import threads
+
+    fail_once(monkeypatch, engine._loop.scheduler, "schedule", RuntimeError("lost track"))
+    before = threads.restarts().get("engine", 0)
+    failed = collect(engine.submit(greedy("bad", chat_ids(renderer, PROMPTS[0]))))[0]
+    assert failed.finish is not None and failed.finish.finish_reason is FinishReason.ERROR
+    assert "lost track" in failed.finish.error
+    assert threads.restarts()["engine"] == before + 1
+    served = collect(engine.submit(greedy("next", chat_ids(renderer, PROMPTS[0]))))[0]
+    assert served.finish is not None and served.finish.finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+    assert engine.is_ready

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "handler"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("base", ["handler.errors", "handler.config", "handler.start_cache"]),
+    ("base", ["handler.errors", "handler.config", "handler.start_cache", "handler.threads"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
     ("prompt", ["handler.prompt", "handler.images"]),

@@ -134,3 +134,38 @@ def test_the_settings_reach_the_worker() -> None:
     options = gunicorn_options(Settings(host="127.0.0.1", request_read_timeout=3, max_connections=50))
     assert options["worker_class"].read_timeout_s == 3 and options["worker_connections"] == 50
     assert Settings().request_read_timeout < 60  # SageMaker's own timeout
+
+
+def test_an_unexpected_error_reading_one_connection_closes_it_and_not_the_event_loop() -> None:
+    """A connection the reader holds in no state it knows (here: neither reading nor kept alive) raised out of the
+    event loop's callback, which ends the worker and every connection on it; now it closes that connection only."""
+    import logging
+    import selectors
+    import socket
+
+    from handler.request_reader import RequestReader
+
+    class Worker:
+        log = logging.getLogger("test-worker")
+        poller = selectors.DefaultSelector()
+        keepalived_conns: list = []
+        nr_conns = 1
+        read_timeout_s = 5.0
+
+    class Conn:
+        scanner = None
+        client = ("127.0.0.1", 1)
+
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock, self.closed = sock, False
+
+        def close(self) -> None:
+            self.closed = True
+            self.sock.close()
+
+    ours, peer = socket.socketpair()
+    worker, conn = Worker(), Conn(ours)
+    peer.sendall(b"GET /ping HTTP/1.1\r\n")
+    RequestReader(worker, LIMITS).on_readable(conn, ours)
+    assert conn.closed and worker.nr_conns == 0
+    peer.close()

@@ -2,12 +2,13 @@
 fields, beam search, stop strings, logprobs, prompt logprobs (echo, decoder_input_details, token prompts), n /
 best_of, seed, logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), then
 cancellation on disconnect, the 429 queue bound and the deadline (a server with one batch slot, one queue place and
-a 3 s deadline), and SIGTERM's drain (servers of their own)."""
+a 3 s deadline), a legacy batch and then clients that hang up, and SIGTERM's drain (servers of their own)."""
 
 from tests.e2e.test_beams import *  # noqa: F403
 from tests.e2e.test_chat_fields import *  # noqa: F403
 from tests.e2e.test_completions import *  # noqa: F403
 from tests.e2e.test_lifecycle import (  # noqa: F401
+    test_a_client_that_disconnects_frees_its_slot_without_writing,
     test_sigterm_drains_in_flight_requests_and_exits_zero,
     test_streams_still_running_when_the_grace_ends_get_a_final_record_and_a_log_line,
 )

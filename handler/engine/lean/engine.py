@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from handler import threads
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.constraints import GrammarCompiler
@@ -33,7 +34,7 @@ from handler.engine.lean.speculate import Speculation
 from handler.engine.lean.steps import StepLoop
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
-from handler.engine.types import EmbeddingRequest, GenerationRequest, Pooling
+from handler.engine.types import EmbeddingRequest, ErrorKind, FinishReason, GenerationRequest, Pooling
 from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ NO_LIMITS = Admission()
 # KV slabs are given back after this long without a running sequence: allocating (zeroing) a slab costs ~0.15 s
 # for 377 MB here, which every request after a short pause paid when they were freed at once
 KV_IDLE_RELEASE_S = 30.0
+STOP_WAIT_S = 5.0  # ``stop`` waits this long for the current step (SageMaker's 30 s after SIGTERM include it)
 
 
 class Engine:
@@ -100,12 +102,17 @@ class Engine:
         self._thread.start()
 
     def stop(self, reason: str | None = None) -> None:
-        """Stop the engine thread after its current step. With ``reason``, every request still in flight (or
-        submitted meanwhile) ends at once with an error event carrying it (``ErrorKind.STOPPED``), so each stream
-        gets its final record; without, readers learn within a second that the engine is gone."""
+        """Stop the engine thread after its current step, waiting up to ``STOP_WAIT_S`` for it. With ``reason``,
+        every request still in flight (or submitted meanwhile) ends at once with an error event carrying it
+        (``ErrorKind.STOPPED``), so each stream gets its final record; without, readers learn within a second that
+        the engine is gone. A second call changes nothing."""
+        if self._stopping.is_set():
+            return
         self._stop_reason = reason
         self._stopping.set()
         self._inbox.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(STOP_WAIT_S)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
@@ -252,24 +259,48 @@ class Engine:
         self._on_ready()
         self._ready.set()
         threading.Thread(target=_pack_deferred, args=(self._idle,), name="int8-pack", daemon=True).start()
-        idle_since = time.monotonic()
+        idle_since: float | None = time.monotonic()
         while not self._stopping.is_set():
-            if self._drain_inbox(block=not loop.has_work):
-                self._idle.set()  # a whole poll with nothing to do: the packing thread may run
-            else:
-                self._idle.clear()
-            batch_size = loop.step() if loop.has_work else 0
-            self._report(batch_size)
-            if loop.has_running:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= KV_IDLE_RELEASE_S:
-                loop.scheduler.space.release()  # the prefix store stays; it is under the budget too
-                idle_since = math.inf
+            try:
+                idle_since = self._turn(loop, idle_since)
+            except Exception as error:  # outside a model step (which fails only its batch): recover, or end here
+                if not self._recover(loop, error):
+                    return
         if self._stop_reason is not None:
             self._drain_inbox(block=False)
             loop.end_all(self._stop_reason)
+        log.info("lean engine stopped (%s)", self._stop_reason or "stopped")
+
+    def _turn(self, loop: StepLoop, idle_since: float | None) -> float | None:
+        """One turn of the engine thread: take what was submitted, step, report; when the KV space has been idle
+        long enough, give its memory back. Returns since when nothing has run (None: something is running)."""
+        if self._drain_inbox(block=not loop.has_work):
+            self._idle.set()  # a whole poll with nothing to do: the packing thread may run
+        else:
+            self._idle.clear()
+        batch_size = loop.step() if loop.has_work else 0
+        self._report(batch_size)
+        if loop.has_running:
+            return None
+        if idle_since is None:
+            return time.monotonic()
+        if time.monotonic() - idle_since >= KV_IDLE_RELEASE_S:
+            loop.scheduler.space.release()  # the prefix store stays; it is under the budget too
+            return math.inf
+        return idle_since
+
+    def _recover(self, loop: StepLoop, error: Exception) -> bool:
+        """An unexpected error in the engine's own bookkeeping: every request in flight ends with an error event
+        naming it (their state cannot be trusted), and the loop starts again, counted (``threads``). False when
+        even that fails: the thread ends, ``is_ready`` turns false and /ping says so."""
+        threads.record_restart("engine")
+        try:
+            loop.end_all(f"engine error: {type(error).__name__}: {error}", ErrorKind.MODEL)
+            return True
+        except Exception:
+            log.exception("the engine cannot recover; it stops")
+            self.load_error = f"engine stopped after an error: {type(error).__name__}: {error}"
+            return False
 
     def _drain_inbox(self, block: bool) -> bool:
         """Take what was submitted (``block``: waiting up to half a second for it); whether nothing came in a wait."""
@@ -280,10 +311,22 @@ class Engine:
         try:
             while True:
                 if item is not None:
-                    self._loop.add(item)
+                    self._take(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return False
+
+    def _take(self, item: RequestState | EmbeddingJob) -> None:
+        """One submitted item into the step loop; one that cannot join fails alone, with an error event."""
+        try:
+            self._loop.add(item)
+        except Exception as error:
+            log.exception("a request could not join the engine")
+            message = f"the engine could not take the request: {type(error).__name__}: {error}"
+            if isinstance(item, EmbeddingJob):
+                item.fail(EngineError(message))
+            else:
+                item.finish_unstarted(FinishReason.ERROR, message, ErrorKind.MODEL)
 
     def _report(self, batch_size: int) -> None:
         """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""

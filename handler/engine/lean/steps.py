@@ -323,12 +323,12 @@ class StepLoop:
         for state in self.admission.take_overdue(self.scheduler):
             state.end_overdue(self.finish, self.admission.timeout_error())
 
-    def end_all(self, message: str) -> None:
-        """End every request, waiting or running, with an error event (the engine is stopping)."""
+    def end_all(self, message: str, kind: ErrorKind = ErrorKind.STOPPED) -> None:
+        """End every request, waiting or running, with an error event (the engine is stopping, or recovering)."""
         for state in self.scheduler.take_waiting() + self.scheduler.running_requests():
-            self._end(state, message, ErrorKind.STOPPED)
+            self._end(state, message, kind)
         while self.embeddings:
-            self.embeddings.popleft().fail(NotReady(message))
+            self.embeddings.popleft().fail(NotReady(message) if kind is ErrorKind.STOPPED else EngineError(message))
 
     def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:
         state.is_expired = True

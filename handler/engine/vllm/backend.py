@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from handler import threads
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.embedding import EmbeddingJob, check_inputs
@@ -289,16 +290,23 @@ class VllmBackend:
         state.finish_unstarted(reason, message, kind)
 
     async def _watch(self) -> None:
-        """The lean engine's per-step checks: cancelled requests end with ABORT, overdue ones with TIMEOUT."""
+        """The lean engine's per-step checks: cancelled requests end with ABORT, overdue ones with TIMEOUT. An
+        error in one turn is logged and counted (``threads``), and the next turn comes as usual."""
         while True:
-            now = time.monotonic()
-            for state in list(self._live):
-                if state.cancelled.is_set():
-                    self._end(state, FinishReason.ABORT, None, None)
-                elif state.deadline <= now:
-                    self._end(state, FinishReason.ERROR, self._admission.timeout_error(), ErrorKind.TIMEOUT)
-            self._report()
+            try:
+                self._check_live()
+            except Exception:
+                threads.record_restart("vllm-watch")
             await asyncio.sleep(_WATCH_S)
+
+    def _check_live(self) -> None:
+        now = time.monotonic()
+        for state in list(self._live):
+            if state.cancelled.is_set():
+                self._end(state, FinishReason.ABORT, None, None)
+            elif state.deadline <= now:
+                self._end(state, FinishReason.ERROR, self._admission.timeout_error(), ErrorKind.TIMEOUT)
+        self._report()
 
     async def _shutdown(self, reason: str | None) -> None:
         for state in list(self._live):
@@ -308,8 +316,22 @@ class VllmBackend:
                 self._end(state, FinishReason.ABORT, None, None)
         await asyncio.sleep(0)  # let the cancelled choices abort their vLLM requests
         if self._engine is not None:
+            await self._stop_output_handler()
             self._engine.shutdown()
+        log.info("vLLM engine shut down (%s)", reason or "stopped")
         self._loop.call_soon(self._loop.stop)
+
+    async def _stop_output_handler(self) -> None:
+        """vLLM's output task, cancelled before its engine process stops: else it reads the stopped process as a
+        dead engine and logs a planned shutdown as an error with a traceback."""
+        handler = getattr(self._engine, "output_handler", None)
+        if handler is None or handler.done():
+            return
+        handler.cancel()
+        try:
+            await handler
+        except (asyncio.CancelledError, Exception):  # its cancellation, or what it ended with: stopped either way
+            pass
 
     def _report(self) -> None:
         if self._on_stats is None:
