@@ -121,24 +121,6 @@ def test_an_s3_src_that_is_not_there_is_a_400_naming_src(server, src: str, messa
     assert "\n" not in error["message"] and "Traceback" not in response.text
 
 
-def test_without_credentials_an_s3_src_is_a_500_naming_src(tmp_path: Path, monkeypatch) -> None:
-    """The route's error is this function's (the server's environment has the stand-in's credentials)."""
-    from handler.config import Settings
-    from handler.download.adapter import adapter_folder
-    from handler.errors import EngineError
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")   # no instance-metadata lookup from a test machine
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with pytest.raises(EngineError) as error:
-        adapter_folder("s3://adapters/team/a1", Settings(download_dir=str(tmp_path / "cache")))
-    assert error.value.param == "src" and error.value.status_code == 500
-    assert error.value.message.startswith("src s3://adapters/team/a1: no AWS credentials found")
-
-
 def test_a_registration_on_one_worker_is_served_by_both_and_a_delete_removes_it_from_both(server, folders) -> None:
     url = server.url
     assert register(url, "shared", str(folders["a1"])).status_code == 200

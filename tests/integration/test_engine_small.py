@@ -6,7 +6,6 @@ and chunked prefill against unchunked.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -146,13 +145,11 @@ def test_cancel_ends_with_abort_while_another_completes(engine, renderer) -> Non
     events = iter(long_handle)
     for _ in range(3):
         assert next(events).finish_reason is None
-    started = time.monotonic()
     long_handle.cancel()
     rest = list(events)
-    assert time.monotonic() - started < 5
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert all(e.finish_reason is None for e in rest[:-1])
-    assert 3 + len(rest) < 100
+    assert 3 + len(rest) < 100  # ended by the cancel within a few steps, not by its 400 tokens
     (short,) = collect(short_handle).values()
     assert short.finish.finish_reason is FinishReason.LENGTH
     assert len(short.token_ids) == 6

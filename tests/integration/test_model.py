@@ -104,10 +104,13 @@ def test_int8_decode_row_does_not_depend_on_its_neighbours(int8_model, prompt_id
     assert torch.equal(alone, crowded), (alone - crowded).abs().max()
 
 
-def test_the_fused_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_model, prompt_ids):
+def test_the_norm_and_rope_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_model, prompt_ids):
     """The served model (int8) with RMSNorm and the q/k/v split with RoPE in our kernels (``kernels/rms_norm.c``,
-    ``rope.c``) and with torch's ops: a prefill and ten greedy decode steps give the same logits bit for bit, so
-    greedy output is what it was before the kernels."""
+    ``rope.c``; a decode row's norm before qkv and gate_up runs inside the int8 kernel's call) and with torch's
+    ops (``F.rms_norm`` everywhere, the norm taken out of the int8 call, the scripted split): a prefill and ten
+    greedy decode steps give the same logits bit for bit, so greedy output is what it was before the kernels. The
+    int8 kernel itself and the residual add in its call are compared with torch's ops in a process of their own
+    (``test_greedy_decoding_with_our_kernels_is_torchs_token_for_token``): their choice is made at load."""
     from functools import partial
 
     from handler.engine.model.decoder import _rms_norm
@@ -115,17 +118,17 @@ def test_the_fused_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_model, p
 
     if int8_model.norm is _rms_norm:
         pytest.skip("the fused kernels are not taken on this CPU")
-    fused = (int8_model.norm, [layer.split for layer in int8_model.layers])
-    torch_ops = (_rms_norm, [partial(_SCRIPTED["split_and_rotate"], **split.keywords) for split in fused[1]])
-    assert all(split.func is not _SCRIPTED["split_and_rotate"] for split in fused[1])
+    fused = (int8_model.norm, int8_model._norm_lanes, [layer.split for layer in int8_model.layers])
+    torch_ops = (_rms_norm, None, [partial(_SCRIPTED["split_and_rotate"], **split.keywords) for split in fused[2]])
+    assert all(split.func is not _SCRIPTED["split_and_rotate"] for split in fused[2])
 
-    def use(norm, splits) -> None:
-        int8_model.norm = norm
+    def use(norm, lanes, splits) -> None:
+        int8_model.norm, int8_model._norm_lanes = norm, lanes
         for layer, split in zip(int8_model.layers, splits, strict=True):
             layer.split = split
 
-    def generate(norm, splits) -> list[torch.Tensor]:
-        use(norm, splits)
+    def generate(norm, lanes, splits) -> list[torch.Tensor]:
+        use(norm, lanes, splits)
         cache = int8_model.new_cache(1, 256)
         cache.ensure(1, 256)
         n = len(prompt_ids)

@@ -1,11 +1,11 @@
 """LoRA adapters on vLLM (option.enable_lora): our registry of names and folders over vLLM's own adapter cache.
 
-UNTESTED HERE: vLLM is not installed on this machine; this follows vLLM's documented API (``AsyncEngineArgs``'
-``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``; ``vllm.lora.request.LoRARequest(lora_name,
-lora_int_id, lora_path)``; ``AsyncLLM.add_lora`` / ``remove_lora`` / ``pin_lora``; ``generate(...,
-lora_request=...)``) and is exercised only by ``make test-vllm``. vLLM loads, caches and evicts adapters itself
-(least recently used, ``max_loras`` on the device per batch, ``max_cpu_loras`` in host memory), so no load or evict
-events are reported from here; a request names a registered adapter and carries its ``LoRARequest``.
+It uses vLLM's adapter API (``AsyncEngineArgs``' ``enable_lora``, ``max_loras``, ``max_lora_rank``,
+``max_cpu_loras``; ``vllm.lora.request.LoRARequest(lora_name, lora_int_id, lora_path)``; ``AsyncLLM.add_lora`` /
+``remove_lora`` / ``pin_lora``; ``generate(..., lora_request=...)``), and ``make test-vllm`` runs the adapter e2e
+tests against it (``tests/vllm/test_adapters.py``: PEFT's own greedy tokens). vLLM loads, caches and evicts adapters
+itself (least recently used, ``max_loras`` on the device per batch, ``max_cpu_loras`` in host memory), so no load or
+evict events are reported from here; a request names a registered adapter and carries its ``LoRARequest``.
 """
 
 from __future__ import annotations

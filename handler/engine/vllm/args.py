@@ -108,7 +108,7 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images_per_request}
     if settings.speculative_draft_model is not None:
         kwargs["speculative_config"] = speculative_config(settings)
-    if settings.enable_lora:  # untested here (make test-vllm): vLLM's own names
+    if settings.enable_lora:  # vLLM's own names (tests/vllm/test_adapters.py)
         # one slot more than option.max_loras: the weightless adapter base requests carry (``adapters``)
         kwargs.update(enable_lora=True, max_loras=settings.max_loras + 1, max_lora_rank=settings.max_lora_rank,
                       max_cpu_loras=settings.max_loras + 1)
