@@ -3,9 +3,6 @@ SDK's ``responses.create`` (plain and streamed), ``responses.stream`` with its h
 into a pydantic model, a function-tool round trip, ``previous_response_id``, GET / DELETE and the 404s; a Responses
 body on ``/invocations`` beside the embeddings body it must not take; and ``huggingface_hub.InferenceClient``'s
 ``text_generation`` streaming against ``/invocations`` and TGI's own routes.
-
-The module's server differs from the shipped settings in one, and why: ``option.request_timeout=600``, because this
-2-core machine is shared, and a loaded step rate cut grammar-constrained answers at the 60 s default.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ class Capital(BaseModel):
 
 @pytest.fixture(scope="module")
 def responses_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(tmp_path_factory.mktemp("responses"), {"OPTION_REQUEST_TIMEOUT": "600"})
+    running = start_server(tmp_path_factory.mktemp("responses"))
     yield running
     stop_server(running)
 
