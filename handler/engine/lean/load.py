@@ -518,8 +518,14 @@ def check_budget(space: KVSpace | OwnCaches, max_model_len: int, how: str) -> No
         raise ConfigError(f"the KV cache budget ({space.budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
                           f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
                           "option.kv_cache_memory or lower option.max_model_len")
-    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
-             space.budget // max(space.bytes_per_token, 1), space.bytes_per_token)
+    if space.bytes_per_token:
+        log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
+                 space.budget // space.bytes_per_token, space.bytes_per_token)
+    elif not one:
+        log.info("KV cache budget: none needed (the model keeps no cache between steps)")
+    else:  # a recurrent state, the same size at every length
+        log.info("KV cache budget %.0f MiB (%s): %d sequences at %d bytes each, whatever their length",
+                 space.budget / 2**20, how, space.budget // max(one, 1), one)
 
 
 # bytes a CUDA step's activations may need beside the KV cache
