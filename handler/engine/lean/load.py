@@ -380,7 +380,13 @@ def _load_encoder(options: LoadOptions, config: dict,
 
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
-    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
+    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run, and
+    every path an encoder-decoder model."""
+    if config.get("is_encoder_decoder"):
+        architectures = ", ".join(config.get("architectures") or []) or "no architecture named"
+        raise UnsupportedModel(f"model_type {config.get('model_type')!r}: an encoder-decoder model ({architectures}); "
+                               "this server generates with decoder-only models (transformers' causal-LM class would "
+                               "load its decoder alone, without the encoder)")
     if vision.is_vision_model(config):
         return _choose_vision_path(options, config)
     if options.rolling_batch == "transformers":
