@@ -44,22 +44,32 @@ TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 # multi-head latent attention at a tiny size (no KV-head sharing)
 LATENT = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
           "num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+# a sparse-attention indexer (DSA) that keeps every key of the sweep's short sequences: with fewer, transformers'
+# own cached steps and its uncached forward pick different keys, a difference of its own
+INDEXER = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 64}
 # fields of types whose defaults stay large (experts, latent ranks, per-layer lists) or that need their own shape
 OVERRIDES: dict[str, dict] = {
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8}, "helium": {"head_dim": 16},
     "cohere2": {"sliding_window": 8},  # a window the prompts pass
     "deepseek_v2": {**LATENT, "num_experts_per_tok": 2}, "deepseek_v3": LATENT, "minicpm3": LATENT, "youtu": LATENT,
     "axk1": LATENT, "axk2": LATENT,
+    # latent attention with an indexer
+    "deepseek_v32": {**LATENT, **INDEXER},
+    "glm_moe_dsa": {**LATENT, **INDEXER},
+    "hy_v4": {**LATENT, **INDEXER, "head_dim": 16},
+    "dots3_note_text": {**LATENT, **INDEXER},
+    "deepseek_v4": {"q_lora_rank": 32, "head_dim": 16, "o_lora_rank": 32, "o_groups": 2, **INDEXER},
+    "longcat_flash": {**LATENT, "head_dim": 8, "zero_expert_num": 2, "expert_ffn_hidden_size": 64},
     # sizes the defaults leave unset or inconsistent at the tiny shape
     "ministral": {"head_dim": 16}, "hunyuan_v1_dense": {"head_dim": 16}, "hunyuan_v1_moe": {"head_dim": 16},
     "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1},
-    "dots3_note_text": {"num_key_value_heads": 4},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
+    "roc_bert": {"shape_embed_dim": 16, "pronunciation_embed_dim": 16},
     "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
     # hybrids: attention layers beside the recurrent ones, as their real checkpoints have (the defaults put none in
@@ -72,8 +82,8 @@ OVERRIDES: dict[str, dict] = {
     "zamba": {"num_hidden_layers": 3},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
     "recurrent_gemma": {"num_hidden_layers": 3},
-    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"]},
-    "bailing_hybrid": {"layer_group_size": 2},
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 4},
+    "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
     "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]},
     "qwen4_exp_text": {"layer_types": ["linear_attention", "indexed_attention"], "head_dim": 16,
@@ -196,11 +206,11 @@ def declared(config) -> set[str]:
 
 
 def aliases(model_type: str) -> dict:
-    """TINY's sizes under the names this type's config uses for them (those it has, and does not map itself)."""
+    """TINY's sizes under the names this type's config stores them as (an alias it maps, under its target)."""
     default = vars(default_config(model_type))
     mapped, sizes = getattr(default_config(model_type), "attribute_map", {}), {**TINY, **TINY_MOE}
-    found = {alias: sizes[field] for field, names in ALIASES.items() for alias in (field, *names)
-             if alias not in TINY and alias not in mapped and isinstance(default.get(alias), int)}
+    found = {mapped.get(alias, alias): sizes[field] for field, names in ALIASES.items() for alias in (field, *names)
+             if alias not in TINY and isinstance(default.get(mapped.get(alias, alias)), int)}
     return {name: value for name, value in found.items() if default[name] > value}
 
 

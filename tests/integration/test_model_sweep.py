@@ -77,6 +77,22 @@ def test_an_encoder_decoder_checkpoint_is_refused_at_start_in_one_line(tmp_path:
                              "(BartForConditionalGeneration)") and "\n" not in reason
 
 
+def test_a_build_that_crashes_fails_the_sweep_unless_its_type_is_listed_with_why(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """No crash passes as 'no tiny config': only a type on NO_TINY_CONFIG, with its reason, is let off, and a
+    listed type that builds fails too (its entry is stale)."""
+    monkeypatch.setitem(model_sweep.OVERRIDES, "gpt2", {"hidden_size": 63})  # no multiple of its 4 heads
+    crashed = model_sweep.sweep_one("gpt2", tmp_path / "crashed")
+    assert (crashed.result, crashed.is_good) == ("failed", False)
+    assert crashed.detail.startswith("its tiny checkpoint cannot be built: ")
+    monkeypatch.setitem(model_sweep.NO_TINY_CONFIG, "gpt2", "asked to crash")
+    listed = model_sweep.sweep_one("gpt2", tmp_path / "listed")
+    assert (listed.result, listed.is_good) == ("no tiny config", True) and listed.detail.startswith("asked to crash (")
+    monkeypatch.setitem(model_sweep.OVERRIDES, "gpt2", {})
+    stale = model_sweep.sweep_one("gpt2", tmp_path / "stale")
+    assert (stale.result, stale.is_good) == ("failed", False) and "take it off the list" in stale.detail
+
+
 def test_a_model_whose_steps_fail_is_refused_at_start_naming_the_failure(tmp_path: Path) -> None:
     """Loads fine, then every forward of a step fails: the warm-up ends the start with the step's own error in one
     line, and the engine never says ready."""
