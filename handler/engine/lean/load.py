@@ -381,7 +381,7 @@ def _load_encoder(options: LoadOptions, config: dict,
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
     the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run, and
-    every path an encoder-decoder model."""
+    both refuse an encoder-decoder model."""
     if config.get("is_encoder_decoder"):
         architectures = ", ".join(config.get("architectures") or []) or "no architecture named"
         raise UnsupportedModel(f"model_type {config.get('model_type')!r}: an encoder-decoder model ({architectures}); "

@@ -115,7 +115,7 @@ def config_cost(config, dtype: torch.dtype, why: str = "") -> CacheCost:
     (within its window), and a recurrent layer's conv and SSM states (``STATE_FIELDS``). ``UnknownCost`` when the
     config lacks what its layers need (``why``: why the count comes from the config)."""
     text = config.get_text_config(decoder=True)
-    kinds = _layer_kinds(text) or [("full_attention", None)] * (getattr(text, "num_hidden_layers", None) or 0)
+    kinds = _layer_kinds(text) or [("full_attention", None)] * int(_size(text, "num_hidden_layers") or 0)
     element = torch.empty(0, dtype=dtype).element_size()
     try:
         if not kinds:
@@ -149,13 +149,13 @@ def _layer_kinds(text) -> list[tuple[str, int | None]] | None:
 
 def _kv_bytes(text, element: int) -> int:
     """Keys and values of one attention layer's KV heads, a position."""
-    heads = getattr(text, "num_attention_heads", None)
+    heads = _size(text, "num_attention_heads")
     if not heads:
         raise LookupError("its config has no num_attention_heads for keys and values, nor layer_types naming "
                           "layers that keep other state")
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * kv_heads * head_dim * element
+    kv_heads = _size(text, "num_key_value_heads") or heads
+    head_dim = _size(text, "head_dim") or (_size(text, "hidden_size") or 0) // heads
+    return int(2 * kv_heads * head_dim * element)
 
 
 def _state_bytes(text) -> int:
@@ -174,5 +174,9 @@ def _state_bytes(text) -> int:
 
 
 def _size(config, name: str) -> int | float | None:
-    value = getattr(config, name, None)
+    """A positive size the config has under ``name``, else None (a per-layer field read globally raises)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 (transformers' AmbiguousGlobalPerLayerAttributeError and the like)
+        return None
     return value if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
