@@ -16,6 +16,7 @@ tokenizer is the embedded SmolLM2's (``make model``), the vocabulary a small sli
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import tempfile
@@ -43,11 +44,69 @@ TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 # multi-head latent attention at a tiny size (no KV-head sharing)
 LATENT = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
           "num_key_value_heads": 4, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+# a sparse-attention indexer (DSA) that keeps every key of the sweep's short sequences: with fewer, transformers'
+# own cached steps and its uncached forward pick different keys, a difference of its own
+INDEXER = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 64}
 # fields of types whose defaults stay large (experts, latent ranks, per-layer lists) or that need their own shape
 OVERRIDES: dict[str, dict] = {
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8}, "helium": {"head_dim": 16},
+    "cohere2": {"sliding_window": 8},  # a window the prompts pass
     "deepseek_v2": {**LATENT, "num_experts_per_tok": 2}, "deepseek_v3": LATENT, "minicpm3": LATENT, "youtu": LATENT,
     "axk1": LATENT, "axk2": LATENT,
+    # latent attention with an indexer
+    "deepseek_v32": {**LATENT, **INDEXER},
+    "glm_moe_dsa": {**LATENT, **INDEXER},
+    "hy_v4": {**LATENT, **INDEXER, "head_dim": 16},
+    "dots3_note_text": {**LATENT, **INDEXER},
+    "deepseek_v4": {"q_lora_rank": 32, "head_dim": 16, "o_lora_rank": 32, "o_groups": 2, **INDEXER},
+    "longcat_flash": {**LATENT, "head_dim": 8, "zero_expert_num": 2, "expert_ffn_hidden_size": 64},
+    # sizes the defaults leave unset or inconsistent at the tiny shape
+    "ministral": {"head_dim": 16}, "hunyuan_v1_dense": {"head_dim": 16}, "hunyuan_v1_moe": {"head_dim": 16},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
+    "roc_bert": {"shape_embed_dim": 16, "pronunciation_embed_dim": 16},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+    # hybrids: attention layers beside the recurrent ones, as their real checkpoints have (the defaults put none in
+    # two layers)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
+    "zamba": {"num_hidden_layers": 3},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+    "recurrent_gemma": {"num_hidden_layers": 3},
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 4},
+    "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen4_exp_text": {"layer_types": ["linear_attention", "indexed_attention"], "head_dim": 16,
+                       "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 64,
+                       "indexer_compress_ratio": 4},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+}
+# TINY fields a type's config refuses to be given (its setter raises): left at their defaults
+LEAVE_OUT: dict[str, tuple[str, ...]] = {"xlnet": ("max_position_embeddings",), "prophetnet": ("num_hidden_layers",)}
+# types no tiny checkpoint of can be built here, and why: any other type whose build crashes fails the sweep, as does
+# a type listed here that builds
+NO_TINY_CONFIG: dict[str, str] = {
+    "gemma3n": "its vision tower is a timm model, and timm is not installed",
+    "gemma4_assistant": "a drafter for Gemma 4 (speculative decoding), not a model of its own: its config wraps a "
+                        "gemma4_text config under constraints the defaults fail",
+    "gemma4_unified_assistant": "a drafter for Gemma 4 (speculative decoding), not a model of its own: its default "
+                                "layers share KV caches no layer of theirs produces",
+    "musicgen": "an audio composite (text encoder, audio codec, decoder) whose causal LM takes the decoder's own "
+                "config, which AutoConfig does not make for this type",
+    "musicgen_melody": "an audio composite (text encoder, audio codec, decoder) whose causal LM takes the decoder's "
+                       "own config, which AutoConfig does not make for this type",
+    "qwen4_exp": "a vision-language composite whose default text config leaves its indexer's sizes unset (None), so "
+                 "the defaults build no model; its text model is swept as qwen4_exp_text",
 }
 MAX_PARAMETERS = 10_000_000  # a tiny config stays under this; a larger one names its type's size fields otherwise
 PROMPTS = ([5, 17, 300, 42, 7, 99, 400, 23, 11, 4, 242, 77, 3, 8, 60, 61, 62, 63, 64, 65], [8, 9, 10])
@@ -61,6 +120,7 @@ class SweepRow:
     path: str     # "lean" | "transformers" | "encoder" | "-" (refused before a path served)
     result: str   # one of GOOD, or "mismatch" | "failed"
     detail: str = ""
+    cost: object = None  # what one sequence's cache was counted at (the runner's space: ``CacheCost`` or ``KVSpace``)
 
     @property
     def is_good(self) -> bool:
@@ -69,6 +129,10 @@ class SweepRow:
 
 class NoTinyConfig(Exception):
     """No tiny checkpoint of this type can be built here (the message says why)."""
+
+
+class BuildFailed(Exception):
+    """The tiny checkpoint of a type not on ``NO_TINY_CONFIG`` cannot be built: a failure of the sweep."""
 
 
 def causal_lm_types() -> list[str]:
@@ -84,39 +148,70 @@ def one_line(error: BaseException | str, limit: int = 300) -> str:
 
 
 def build(folder: Path, model_type: str) -> Path:
-    """A tiny random ``model_type`` checkpoint in ``folder`` with the embedded tokenizer; raises ``NoTinyConfig``."""
+    """A tiny random ``model_type`` checkpoint in ``folder`` with the embedded tokenizer. Raises ``NoTinyConfig`` for
+    a type on ``NO_TINY_CONFIG`` whose build fails, or whose tiny fields still make it large; ``BuildFailed`` for any
+    other type whose build fails, and for a listed type that builds (the list is out of date)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.for_model(model_type, **{**TINY, **aliases(model_type), **OVERRIDES.get(model_type, {}),
-                                                     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
+        config = AutoConfig.for_model(model_type, **tiny_fields(model_type))
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    except Exception as error:  # noqa: BLE001 (any failure: no tiny config, and why)
-        raise NoTinyConfig(one_line(error)) from None
+        if size <= MAX_PARAMETERS:
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 (a crash: a failure unless the type is listed, with why)
+        if model_type in NO_TINY_CONFIG:
+            raise NoTinyConfig(one_line(f"{NO_TINY_CONFIG[model_type]} ({one_line(error, 150)})")) from None
+        raise BuildFailed(f"its tiny checkpoint cannot be built: {one_line(error)}") from None
+    if model_type in NO_TINY_CONFIG:
+        raise BuildFailed(f"NO_TINY_CONFIG lists it ({NO_TINY_CONFIG[model_type]}), yet its tiny checkpoint builds: "
+                          "take it off the list")
     if size > MAX_PARAMETERS:
         raise NoTinyConfig(f"{size / 1e6:.0f}M parameters with the tiny fields (its size fields are named otherwise)")
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        model.save_pretrained(folder)
-    except Exception as error:  # noqa: BLE001
-        raise NoTinyConfig(one_line(error)) from None
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SMOLLM2_DIR / name, folder / name)
     return folder
 
 
-def aliases(model_type: str) -> dict:
-    """TINY's sizes under the names this type's config uses for them (those it has, and does not map itself)."""
+def tiny_fields(model_type: str) -> dict:
+    """The config fields of a tiny ``model_type``: ``TINY``'s where its config class has them (a field it does not
+    know would only sit on the config, where a real checkpoint's config has nothing: mamba has no attention heads),
+    under its own names (``aliases``), then the type's ``OVERRIDES``."""
+    default = default_config(model_type)
+    known = {name: value for name, value in TINY.items()
+             if name in declared(default) and name not in LEAVE_OUT.get(model_type, ())}
+    return {**known, **aliases(model_type), **OVERRIDES.get(model_type, {}),
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+@functools.cache
+def default_config(model_type: str):
+    """The type's config at its defaults (with its ``OVERRIDES`` where the defaults fail their own validation)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
-    mapped, sizes = getattr(default, "attribute_map", {}), {**TINY, **TINY_MOE}
-    found = {alias: sizes[field] for field, names in ALIASES.items() for alias in (field, *names)
-             if alias not in TINY and alias not in mapped and isinstance(getattr(default, alias, None), int)}
-    return {name: value for name, value in found.items() if getattr(default, name) > value}
+    try:
+        return AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001 (the overrides may mend it; if not, the build names this error)
+        return AutoConfig.for_model(model_type, **OVERRIDES.get(model_type, {}))
+
+
+def declared(config) -> set[str]:
+    """The fields a config has: its class's, the names it maps onto them, and what its init set."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    return fields | set(getattr(config, "attribute_map", {})) | set(vars(config))
+
+
+def aliases(model_type: str) -> dict:
+    """TINY's sizes under the names this type's config stores them as (an alias it maps, under its target)."""
+    default = vars(default_config(model_type))
+    mapped, sizes = getattr(default_config(model_type), "attribute_map", {}), {**TINY, **TINY_MOE}
+    found = {mapped.get(alias, alias): sizes[field] for field, names in ALIASES.items() for alias in (field, *names)
+             if alias not in TINY and isinstance(default.get(mapped.get(alias, alias)), int)}
+    return {name: value for name, value in found.items() if default[name] > value}
 
 
 def reference_tokens(folder: Path, prompt: list[int]) -> tuple[list[int], str]:
@@ -189,27 +284,43 @@ def sweep_one(model_type: str, workdir: Path) -> SweepRow:
         folder = build(workdir, model_type)
     except NoTinyConfig as error:
         return SweepRow(model_type, "-", "no tiny config", str(error))
+    except BuildFailed as error:
+        return SweepRow(model_type, "-", "failed", str(error))
     engine, reason = start_engine(folder)
     if engine is None:
         return SweepRow(model_type, "-", "refused", reason)
     try:
-        path = engine._loaded.path
+        path, space = engine._loaded.path, getattr(engine._loaded.runner, "space", None)
         if path == "encoder":
             return SweepRow(model_type, path, "refused", "an encoder: embeddings only, generation refused per request")
         ours = served_tokens(engine)
         stepping = getattr(getattr(engine._loaded.runner, "stepping", None), "note", "")
     finally:
         engine.stop()
+    cost = getattr(space, "cost", space)
     if isinstance(ours, str):
-        return SweepRow(model_type, path, "failed", ours)
+        return SweepRow(model_type, path, "failed", ours, cost)
     references = [reference_tokens(folder, list(prompt)) for prompt in PROMPTS]
     expected, why_not_generate = [tokens for tokens, _ in references], references[0][1]
     against = f"transformers' uncached forward (its generate fails here: {why_not_generate})" if (
         why_not_generate) else "generate"
     if all(tokens[:len(reference)] == reference for tokens, reference in zip(ours, expected, strict=True)):
         notes = [note for note in (stepping, why_not_generate and f"vs {against}") if note]
-        return SweepRow(model_type, path, "exact", one_line("; ".join(notes)))
-    return SweepRow(model_type, path, "mismatch", one_line(f"ours {ours}, {against} {expected}"))
+        return SweepRow(model_type, path, "exact", one_line("; ".join(notes)), cost)
+    return SweepRow(model_type, path, "mismatch", one_line(f"ours {ours}, {against} {expected}"), cost)
+
+
+def describe_cost(cost: object) -> str:
+    """What one sequence's cache is counted at, for the table: bytes a position adds (and the windows they stop
+    at) and bytes whatever the length (recurrent states)."""
+    layers = getattr(cost, "layers", None)
+    if layers is None:  # the lean path's KV space, or none (refused before serving)
+        return f"{cost.bytes_per_token} B/position" if cost is not None else ""
+    fixed, per_position = sum(layer.fixed for layer in layers), sum(layer.per_position for layer in layers)
+    windows = sorted({layer.window for layer in layers if layer.window and layer.per_position})
+    parts = [f"{per_position} B/position" + (f" (window {', '.join(map(str, windows))})" if windows else "")]
+    parts = (parts if per_position else []) + ([f"{fixed} B fixed"] if fixed else [])
+    return " + ".join(parts) or "no cache"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     types = args.types or causal_lm_types()
     rows, started = [], time.monotonic()
-    print("| model_type | path | result | detail |\n|---|---|---|---|", flush=True)
+    print("| model_type | path | result | cache a sequence | detail |\n|---|---|---|---|---|", flush=True)
     for model_type in types:
         with tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-") as workdir:
             row = sweep_one(model_type, Path(workdir))
         rows.append(row)
-        print(f"| {row.model_type} | {row.path} | {row.result} | {row.detail} |", flush=True)
+        print(f"| {row.model_type} | {row.path} | {row.result} | {describe_cost(row.cost)} | {row.detail} |",
+              flush=True)
     bad = [row.model_type for row in rows if not row.is_good]
     print(f"\n{len(rows)} types in {time.monotonic() - started:.0f} s; "
           f"{sum(r.result == 'exact' for r in rows)} exact, {sum(r.result == 'refused' for r in rows)} refused, "

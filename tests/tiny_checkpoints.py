@@ -1,10 +1,10 @@
 """Tiny, randomly initialised causal-LM checkpoints of real transformers architectures, built locally.
 
 Nothing is downloaded: the config comes from transformers' own config class for the model type (hidden 64, 2
-layers, 4 heads sharing 2 KV heads), the weights are random (``torch.manual_seed``) and the tokenizer and chat
-template are the embedded SmolLM2's (``model_store/smollm2-135m-instruct``, built by ``make model``), so the
-vocabularies agree; norm weights a family initialises to zero (gemma's ``1 + w``) are drawn at random instead.
-Each folder is what ``save_pretrained`` writes for a real checkpoint.
+layers, 4 heads sharing 2 KV heads, where the type has such fields), the weights are random (``torch.manual_seed``)
+and the tokenizer and chat template are the embedded SmolLM2's (``model_store/smollm2-135m-instruct``, built by
+``make model``), so the vocabularies agree; norm weights a family initialises to zero (gemma's ``1 + w``) are drawn
+at random instead. Each folder is what ``save_pretrained`` writes for a real checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from devtools.model_sweep import declared
 
 SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "model_store" / "smollm2-135m-instruct"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -24,7 +26,11 @@ def build_tiny(path: Path, model_type: str, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
-    config = AutoConfig.for_model(model_type, **{**TINY, "vocab_size": len(tokenizer), **overrides,
+    # the tiny defaults the type's config has: one it lacks would sit on the config where a real checkpoint has
+    # nothing (mamba has no attention heads)
+    default = AutoConfig.for_model(model_type)
+    known = {name: value for name, value in TINY.items() if name in declared(default)}
+    config = AutoConfig.for_model(model_type, **{**known, "vocab_size": len(tokenizer), **overrides,
                                                  "bos_token_id": tokenizer.bos_token_id,
                                                  "eos_token_id": tokenizer.eos_token_id,
                                                  "pad_token_id": tokenizer.pad_token_id})

@@ -1,7 +1,9 @@
-"""No architecture starts and then fails every request: every causal-LM model type transformers registers, as a
-tiny random checkpoint through our loader and engine (``devtools.model_sweep``), is served with transformers' own
-greedy tokens or refused at start in one line (or no tiny config of it can be built here, and the row says why).
-And the start's backstop itself: a model whose steps fail is refused before it says ready, naming the failure."""
+"""The transformers path starts every kind of cache a causal LM keeps: one real registered type of each kind, as a
+tiny random checkpoint through our loader and engine (``devtools.model_sweep``: load, KV budget, warm-up, two
+requests together), served with transformers' own greedy tokens under a budget that counts what its cache holds;
+an encoder-decoder checkpoint refused at start in one line. (``python -m devtools.model_sweep`` runs every type
+transformers registers; this is the guard each merge runs.) And the start's backstop itself: a model whose steps
+fail is refused before it says ready, naming the failure."""
 
 from __future__ import annotations
 
@@ -27,16 +29,73 @@ def quiet_transformers() -> None:
     torch.set_num_threads(2)
 
 
-@pytest.mark.parametrize("model_type", model_sweep.causal_lm_types())
-def test_every_causal_lm_type_is_served_exactly_or_refused_at_start(model_type: str, tmp_path: Path) -> None:
+def recurrent(layer) -> bool:
+    return layer.fixed > 0 and layer.per_position == 0
+
+
+def attention(layer) -> bool:
+    return layer.per_position > 0
+
+
+# kind -> (a real registered type of it, what each layer's counted cost must show)
+KINDS = {
+    "full attention": ("gpt2", lambda layers: all(attention(x) and x.window is None for x in layers)),
+    "sliding window": ("cohere2", lambda layers: any(attention(x) and x.window == 8 for x in layers)),
+    "multi-head latent attention": ("deepseek_v3", lambda layers: all(attention(x) for x in layers)),
+    "recurrent": ("mamba", lambda layers: all(recurrent(x) for x in layers)),
+    "hybrid": ("jamba", lambda layers: any(map(recurrent, layers)) and any(map(attention, layers))),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_of_cache_is_served_exactly_under_a_budget_that_counts_it(kind: str, tmp_path: Path) -> None:
+    """A recurrent layer counts its fixed state (mamba's conv and SSM states), an attention layer its keys and values
+    per position (within a window where it slides), a hybrid both: before, mamba's start failed counting attention
+    heads it does not have (``AttributeError: 'MambaConfig' object has no attribute 'num_attention_heads'``)."""
+    model_type, shows = KINDS[kind]
     row = model_sweep.sweep_one(model_type, tmp_path)
-    assert row.is_good, f"{row.model_type} on the {row.path} path: {row.result}: {row.detail}"
-    assert row.result != "refused" or "\n" not in row.detail
+    assert (row.path, row.result) == ("transformers", "exact"), f"{model_type}: {row.result}: {row.detail}"
+    assert shows(row.cost.layers), f"{model_type}'s cache counted as {row.cost}"
+
+
+def test_an_encoder_decoder_checkpoint_is_refused_at_start_in_one_line(tmp_path: Path) -> None:
+    """bart is registered as a causal LM (its decoder alone); a seq2seq checkpoint of it loaded so would lose its
+    encoder and answer with something else than the model, so it is refused, naming the type and why."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.for_model("bart", **{**model_sweep.tiny_fields("bart"), "is_decoder": False})
+    torch.manual_seed(0)
+    AutoModelForSeq2SeqLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_sweep.SMOLLM2_DIR / name, tmp_path / name)
+    engine, reason = model_sweep.start_engine(tmp_path)
+    assert engine is None
+    assert reason.startswith("UnsupportedModel: model_type 'bart': an encoder-decoder model "
+                             "(BartForConditionalGeneration)") and "\n" not in reason
+
+
+def test_a_build_that_crashes_fails_the_sweep_unless_its_type_is_listed_with_why(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """No crash passes as 'no tiny config': only a type on NO_TINY_CONFIG, with its reason, is let off, and a
+    listed type that builds fails too (its entry is stale)."""
+    monkeypatch.setitem(model_sweep.OVERRIDES, "gpt2", {"hidden_size": 63})  # no multiple of its 4 heads
+    crashed = model_sweep.sweep_one("gpt2", tmp_path / "crashed")
+    assert (crashed.result, crashed.is_good) == ("failed", False)
+    assert crashed.detail.startswith("its tiny checkpoint cannot be built: ")
+    monkeypatch.setitem(model_sweep.NO_TINY_CONFIG, "gpt2", "asked to crash")
+    listed = model_sweep.sweep_one("gpt2", tmp_path / "listed")
+    assert (listed.result, listed.is_good) == ("no tiny config", True) and listed.detail.startswith("asked to crash (")
+    monkeypatch.setitem(model_sweep.OVERRIDES, "gpt2", {})
+    stale = model_sweep.sweep_one("gpt2", tmp_path / "stale")
+    assert (stale.result, stale.is_good) == ("failed", False) and "take it off the list" in stale.detail
 
 
 def test_a_model_whose_steps_fail_is_refused_at_start_naming_the_failure(tmp_path: Path) -> None:
-    """Loads fine, then every forward of a step fails (mamba's failure before the runner knew ``cache_params``):
-    the warm-up ends the start with the step's own error in one line, and the engine never says ready."""
+    """Loads fine, then every forward of a step fails: the warm-up ends the start with the step's own error in one
+    line, and the engine never says ready."""
     from handler.engine.core.tokenizer import load_tokenizer
     from handler.engine.lean.load import LoadOptions, load
 

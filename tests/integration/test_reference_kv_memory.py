@@ -1,8 +1,8 @@
 """The transformers path's KV memory (``runners.own_caches``): its caches are budgeted by option.kv_cache_memory as
-the lean engine's are. What a sequence's cache holds is counted as transformers stores it (full attention exactly;
-sliding windows and recurrent states bounded), and under a small budget a long prompt beside short streams runs to
-the same greedy tokens as transformers' own ``generate``, every cache within what the space reserved for it and the
-reservations within the budget."""
+the lean engine's are. What a sequence's cache holds is counted as transformers stores it (full attention,
+recurrent states and a hybrid of both exactly; sliding windows bounded), and under a small budget a long prompt
+beside short streams runs to the same greedy tokens as transformers' own ``generate``, every cache within what the
+space reserved for it and the reservations within the budget."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ LAYOUTS = {
     "mistral": {"sliding_window": 8},                               # every layer windowed
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "falcon_h1": {},                                                # mamba states beside attention
+    "mamba": {},                                                    # mamba's states alone, in cache_params
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},      # a mamba layer, then an attention layer
 }
 
 
@@ -40,12 +42,11 @@ def test_the_counted_bytes_bound_what_the_cache_holds(tmp_path: Path, model_type
     folder = build_tiny(tmp_path / model_type, model_type, **LAYOUTS[model_type])
     runner = TransformersRunner(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     for length in (1, 5, 8, 9, 30):
-        with torch.inference_mode():
-            output = runner.model(input_ids=torch.arange(1, length + 1)[None], past_key_values=runner._new_cache(),
-                                  use_cache=True)
-        held, counted = sum(layer_bytes(output.past_key_values)), runner.space.bytes_for(length)
+        with torch.inference_mode():  # the cache as the runner makes and passes it (mamba's as cache_params)
+            cache = runner.forward_cached(runner._new_cache(), list(range(1, length + 1)), 0)[1]
+        held, counted = sum(layer_bytes(cache)), runner.space.bytes_for(length)
         assert held <= counted, (model_type, length)
-        if model_type == "gemma":
+        if model_type in ("gemma", "mamba", "jamba"):
             assert held == counted
         else:  # a bound, not a guess: at most one position per layer over
             assert counted - held <= sum(layer.per_position for layer in runner.space.cost.layers)

@@ -32,10 +32,11 @@ from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
 from handler.engine.lean.speculate import Speculation
 from handler.engine.lean.steps import StepLoop
+from handler.engine.model.support import UnsupportedModel
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
 from handler.engine.types import EmbeddingRequest, ErrorKind, FinishReason, GenerationRequest, Pooling
-from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
+from handler.errors import BadRequest, ConfigError, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,10 @@ class Engine:
             log.info("warm-up took %.1f s; ready", time.monotonic() - warm_up)
         except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
             self.load_error = " ".join(f"{type(error).__name__}: {error}".split())
-            log.exception("model load failed")
+            if isinstance(error, UnsupportedModel | ConfigError):  # a refusal: its one line says why
+                log.error("model load failed: %s", self.load_error)
+            else:
+                log.exception("model load failed")
             self._on_failed(self.load_error)
             return
         self._on_ready()

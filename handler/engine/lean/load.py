@@ -380,7 +380,13 @@ def _load_encoder(options: LoadOptions, config: dict,
 
 def choose_path(options: LoadOptions, config: dict) -> tuple[str, str]:
     """``("lean" | "transformers", why)`` for ``option.rolling_batch``: auto takes the lean path when it implements
-    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run."""
+    the checkpoint (``support``), else the checkpoint's own transformers code; lean refuses what it cannot run, and
+    both refuse an encoder-decoder model."""
+    if config.get("is_encoder_decoder"):
+        architectures = ", ".join(config.get("architectures") or []) or "no architecture named"
+        raise UnsupportedModel(f"model_type {config.get('model_type')!r}: an encoder-decoder model ({architectures}); "
+                               "this server generates with decoder-only models (transformers' causal-LM class would "
+                               "load its decoder alone, without the encoder)")
     if vision.is_vision_model(config):
         return _choose_vision_path(options, config)
     if options.rolling_batch == "transformers":
@@ -518,8 +524,14 @@ def check_budget(space: KVSpace | OwnCaches, max_model_len: int, how: str) -> No
         raise ConfigError(f"the KV cache budget ({space.budget / 2**20:.0f} MiB: {how}) cannot hold one sequence of "
                           f"option.max_model_len={max_model_len} tokens ({one / 2**20:.0f} MiB); raise "
                           "option.kv_cache_memory or lower option.max_model_len")
-    log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
-             space.budget // max(space.bytes_per_token, 1), space.bytes_per_token)
+    if space.bytes_per_token:
+        log.info("KV cache budget %.0f MiB (%s): %d tokens at %d bytes each", space.budget / 2**20, how,
+                 space.budget // space.bytes_per_token, space.bytes_per_token)
+    elif not one:
+        log.info("KV cache budget: none needed (the model keeps no cache between steps)")
+    else:  # a recurrent state, the same size at every length
+        log.info("KV cache budget %.0f MiB (%s): %d sequences at %d bytes each, whatever their length",
+                 space.budget / 2**20, how, space.budget // max(one, 1), one)
 
 
 # bytes a CUDA step's activations may need beside the KV cache

@@ -10,10 +10,11 @@ layer a plain full-attention cache, and a probe at load finds two sequences of d
 equal to each alone): the caches are left-padded into one batch cache with the padding masked out, each row at its
 own position. Elsewhere (sliding windows, linear attention, a model that reads padding its own way) each sequence
 decodes as a batch of one. The numbers are transformers' own (batched, as its own batched ``generate`` computes
-them); the path is slower than the lean one. A recurrent-state family's cache is its ``cache_params`` (mamba). How a
-text model steps is chosen at load (``hf_stepping``): the model's steps must give its own uncached logits, else each
-prompt runs in one forward, else every step recomputes the whole sequence without a cache (exact, slower); a model
-whose forward fails outright is refused at load with the reason.
+them); the path is slower than the lean one. A recurrent-state family's cache is the state its forward makes and
+hands back (mamba's ``cache_params``, rwkv's ``state``). How a text model steps is chosen at load (``hf_stepping``):
+the model's steps must give its own uncached logits, else each prompt runs in one forward, else every step
+recomputes the whole sequence without a cache (exact, slower); a model whose forward fails outright is refused at
+load with the reason. What a sequence's cache holds, for the KV budget, is measured then (``hf_cost``).
 
 A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
 transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
@@ -41,8 +42,9 @@ from handler.engine.core import prompt_logprobs
 from handler.engine.core.request import Sequence
 from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.encoder_runner import transformers_embed
+from handler.engine.runners.hf_cost import cache_cost
 from handler.engine.runners.hf_stepping import Stepping, probe_stepping
-from handler.engine.runners.own_caches import CacheCost, OwnCaches, layer_bytes, window_of
+from handler.engine.runners.own_caches import OwnCaches, layer_bytes
 from handler.engine.types import Pooling
 from handler.errors import Unprocessable
 
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # a shared decode forward copies its sequences' caches into one padded batch cache: at most this share of the budget
 SHARED_COPY_SHARE = 4
+# the names a model's forward takes its cache under, first found wins (recurrent families: mamba's, rwkv's)
+CACHE_ARGS = ("cache_params", "state", "past_key_values")
 
 
 class TransformersRunner:
@@ -61,15 +65,16 @@ class TransformersRunner:
         self.vision = vision
         # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
         self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
-        # recurrent-state families (mamba, falcon_mamba) take and return their cache as ``cache_params``
+        # recurrent-state families take and return their cache under their own name (mamba's ``cache_params``,
+        # rwkv's ``state``) and make it on their first forward
         parameters = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache_params" if "cache_params" in parameters else "past_key_values"
+        self._cache_arg = next((name for name in CACHE_ARGS if name in parameters), "past_key_values")
         self._takes_positions = "position_ids" in parameters
-        # the KV space, under the budget the loader sets (``lean.load``)
-        self.space = OwnCaches(self._measure_cost())
+        self.stepping = Stepping() if vision else probe_stepping(self)  # how a text model's steps run
+        # the KV space (what a sequence's cache holds: ``hf_cost``), under the budget the loader sets (``lean.load``)
+        self.space = OwnCaches(cache_cost(self))
         self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
         self._prompt_logits = self.space.prompt_logits
-        self.stepping = Stepping() if vision else probe_stepping(self)  # how a text model's steps run
         self.shares_steps = self.stepping.chunked and self._probe_sharing()  # decode rows of a step in one forward
 
     @classmethod
@@ -156,36 +161,12 @@ class TransformersRunner:
                 groups.append([sequence])
         return groups
 
-    @torch.inference_mode()
-    def _measure_cost(self) -> CacheCost:
-        """What a sequence's cache holds at a length (``own_caches.CacheCost``), read off a fresh cache of this
-        model after 2 and 4 positions, so a family counts as transformers stores it; counted from the config
-        (every layer keeping every position) when the model cannot run a text-only probe."""
-        saved = [m.rope_deltas for m in self._stateful]
-        try:
-            cache, sizes = self._new_cache(), []
-            for start in (0, 2):
-                positions = torch.arange(start, start + 2, device=self.device)
-                # a VLM finds its own position ids (qwen2_vl's are 3-D)
-                given = {} if self.vision else {"position_ids": positions[None]}
-                output = self.model(input_ids=torch.tensor([[1, 2]], device=self.device), past_key_values=cache,
-                                    cache_position=positions, use_cache=True, logits_to_keep=1, **given)
-                cache = output.past_key_values
-                sizes.append(layer_bytes(cache))
-            cost = CacheCost.between(sizes[0], sizes[1], (2, 4), [window_of(layer) for layer in cache.layers])
-        except Exception as error:  # noqa: BLE001 (any failure: the config's conservative count)
-            log.warning("transformers path: the KV budget counts every layer's keys and values from the config, not "
-                        "any other state the model keeps (the probe failed: %s: %s)", type(error).__name__, error)
-            cost = _config_cost(self.model.config, self.model.dtype)
-        finally:
-            for module, value in zip(self._stateful, saved, strict=True):
-                module.rope_deltas = value
-        return cost
-
     def _new_cache(self):
+        """A fresh cache for one sequence: None where the model makes its own on the first forward (a recurrent
+        family's ``cache_params`` or ``state``)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        return DynamicCache(config=self.model.config) if self._cache_arg == "past_key_values" else None
 
     def _decode_together(self, caches: list, lengths: list[int], tokens: list[int]) -> torch.Tensor:
         """One decode row per cache in one forward, ``[rows, vocab]``: the caches left-padded to the longest into
@@ -220,7 +201,8 @@ class TransformersRunner:
         that reads padding or positions its own way is never batched wrongly)."""
         from transformers.cache_utils import DynamicLayer
 
-        if any(type(layer) is not DynamicLayer for layer in self._new_cache().layers):
+        cache = self._new_cache()
+        if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):
             return False
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
         try:
@@ -384,15 +366,6 @@ class TransformersRunner:
 def _size_class(length: int) -> int:
     """0 up to 256 positions, then one more each doubling (the lean KV space's size classes)."""
     return max(0, (length - 1).bit_length() - 8)
-
-
-def _config_cost(config, dtype: torch.dtype) -> CacheCost:
-    """Keys and values of every layer's KV heads at every position, from the (text) config."""
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    element = torch.empty(0, dtype=dtype).element_size()
-    return CacheCost.full_attention(text.num_hidden_layers, 2 * heads * head_dim * element)
 
 
 def _left_pad(states: torch.Tensor, length: int) -> torch.Tensor:

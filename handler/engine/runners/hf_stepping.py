@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 GENERATES_OTHERWISE = {
     "xlm": "XLM generates by predicting a mask token its generate appends to the sequence each step (its "
            "prepare_inputs_for_generation), not from the causal forward this path runs",
+    "xlnet": "XLNet generates by predicting a dummy token its generate appends each step, hidden from the others by "
+             "a permutation mask (its prepare_inputs_for_generation), not from the causal forward this path runs",
 }
 PROBE_IDS = list(range(3, 14))  # a prompt of 8 tokens (chunks of 5 and 3), then 3 decoded one at a time
 PROMPT_CUTS = (5, 8)

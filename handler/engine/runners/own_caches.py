@@ -8,10 +8,11 @@ lean space's (``fits``, ``place``, ``grow``, ``free``, ``copy``), so admission w
 decoding sequence that cannot grow preempts the newest (which recompute later), as on the lean path; reserved bytes
 never pass the budget, so the caches never do.
 
-What a position costs is read off the model's own cache (``CacheCost.between``: a fresh cache's bytes per layer after
-two lengths), so each family counts as transformers stores it: keys and values of every KV head (MLA's expanded
-heads, an indexer's keys), a sliding or chunked window that stops growing, recurrent and convolution states of a
-fixed size, layers that share another's cache holding nothing. What a text-only probe cannot see (mllama's
+What a sequence's cache costs is read off the model's own cache at load (``hf_cost``; ``CacheCost.between``: a fresh
+cache's bytes per layer after two lengths), so each family counts as transformers stores it: keys and values of
+every KV head (MLA's expanded heads, an indexer's keys), a sliding or chunked window that stops growing, recurrent
+and convolution states of a fixed size (a recurrent family's whole cost), layers that share another's cache holding
+nothing. What a text-only probe cannot see (mllama's
 cross-attention keys and values of the images) is counted once the sequence's prefill has computed it (``settle``):
 from then on it is reserved, so later admissions and growth make room for it, but that one prefill may pass the
 budget by its images' states.
@@ -71,15 +72,25 @@ class CacheCost:
 
 
 def layer_bytes(cache: object) -> list[int]:
-    """Bytes of every tensor each layer of a transformers cache holds (keys, values, states kept in dicts)."""
-    sizes = []
-    for layer in getattr(cache, "layers", []):
-        total = 0
-        for value in vars(layer).values():
-            values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
-            total += sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-        sizes.append(total)
-    return sizes
+    """Bytes of every tensor each layer of a transformers cache holds (keys, values, states kept in dicts); a cache
+    without layers (rwkv's list of states, xlstm's ``xLSTMCache``) counts as one layer holding all its tensors."""
+    if cache is None:
+        return []
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return [tensor_bytes(cache if isinstance(cache, list | tuple | dict) else vars(cache))]
+    return [tensor_bytes(vars(layer)) for layer in layers]
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of the tensors in ``value``: a tensor, or lists, tuples and dicts of them (nested)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
 
 
 def window_of(layer: object) -> int | None:
