@@ -22,7 +22,7 @@ from handler import server
 from handler.config import Settings
 from handler.engine.backend import EngineLimits
 from handler.engine.lean.engine import Engine, wait_until_ready
-from handler.prompt.reasoning import HARMONY_TOKENS
+from handler.parsing.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
 from handler.response_store import ResponseStore
 from handler.service import RequestDefaults

@@ -22,6 +22,7 @@ LAYERS = [
     ("base", ["handler.errors", "handler.config", "handler.start_cache"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
+    ("parsing", ["handler.parsing"]),
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
     ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight",
@@ -32,9 +33,9 @@ LAYERS = [
 # What the rest of the server may use of the engine: the request and event types, the backend interface, and the
 # loader (which backend serves a folder, and building it).
 ENGINE_API = {"handler.engine.types", "handler.engine.backend", "handler.engine.loader"}
-# The forced-call grammar the prompt layer writes must lay JSON out exactly as the engine's grammar compiler does, and
-# gpt-oss's forced call must allow the same free harmony messages as the engine's reasoning gate (``HARMONY_MESSAGES``).
-ENGINE_SHARED = {"handler.prompt.tool_calls": {"handler.engine.core.json_rules", "handler.engine.core.grammars"}}
+# The forced-call grammar must lay JSON out exactly as the engine's grammar compiler does, and gpt-oss's forced call
+# must allow the same free harmony messages as the engine's reasoning gate (``HARMONY_MESSAGES``).
+ENGINE_SHARED = {"handler.parsing.grammars": {"handler.engine.core.json_rules", "handler.engine.core.grammars"}}
 # Libraries the engine must not know: it talks to the server through events and a stats listener only.
 ENGINE_FORBIDDEN_LIBRARIES = {"flask", "werkzeug", "gunicorn", "prometheus_client", "pydantic"}
 

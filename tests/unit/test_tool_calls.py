@@ -9,22 +9,10 @@ from pathlib import Path
 import pytest
 
 from handler.engine.core.json_rules import apply_json_rules
-from handler.prompt.tool_calls import (
-    FORMATS,
-    HERMES,
-    LLAMA3_JSON,
-    MISTRAL,
-    CallDelta,
-    ContentDelta,
-    ToolCall,
-    ToolCallStream,
-    call_grammar,
-    detect_format,
-    parse_tool_calls,
-    render_calls,
-    template_renders_tools,
-    tools_system_prompt,
-)
+from handler.parsing.dialects import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, ToolCall, detect_format
+from handler.parsing.grammars import call_grammar
+from handler.parsing.tool_stream import CallDelta, ContentDelta, ToolCallStream, parse_tool_calls
+from handler.prompt.tools import render_calls, template_renders_tools, tools_system_prompt
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 
