@@ -29,15 +29,15 @@ from handler.config import Settings, load_settings
 from handler.djl import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError
-from handler.preflight import preflight
-from handler.worker import DeadlineWorker
+from handler.process.preflight import preflight
+from handler.process.worker import DeadlineWorker
 
 
 def gunicorn_options(settings: Settings) -> dict:
     return {
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.workers,
-        # gthread, reading each request on its event loop under option.request_read_timeout (handler/request_reader.py)
+        # gthread, reading each request on its event loop under option.request_read_timeout (handler/process/request_reader.py)
         "worker_class": DeadlineWorker.configure(settings.request_read_timeout),
         "worker_connections": settings.max_connections,
         "threads": settings.threads,
@@ -151,7 +151,7 @@ def handler_load_failure(error: Exception) -> Exception:
 
 def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
-    from handler.lifecycle import Drain
+    from handler.process.lifecycle import Drain
     from handler.server import create_app
     from handler.service import ModelService
 

@@ -32,7 +32,7 @@ from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import intake, metrics, request_log
 from handler.adapter_registry import SharedAdapters
-from handler.disconnect import DisconnectWatcher
+from handler.process.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
 from handler.engine.types import AdapterInfo, GenerationRequest
 from handler.errors import (

@@ -19,7 +19,7 @@ from handler.engine.backend import EngineBackend, EngineLimits
 from handler.engine.loader import create_backend, language_config
 from handler.engine.types import PromptParts
 from handler.errors import ConfigError, NotFound
-from handler.preflight import context_length
+from handler.process.preflight import context_length
 from handler.prompt.renderer import PromptRenderer
 from handler.prompt.vision import VisionRenderer, image_loader
 from handler.response_store import ResponseStore

@@ -22,13 +22,13 @@ LAYERS = [
     ("base", ["handler.errors", "handler.config", "handler.start_cache"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
+    ("process", ["handler.process"]),
     ("parsing", ["handler.parsing"]),
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
-    ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight",
+    ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl",
                 "handler.download", "handler.response_store", "handler.adapter_registry"]),
-    ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
-               "handler.disconnect", "handler.assemble_model", "handler.worker", "handler.request_reader"]),
+    ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.assemble_model"]),
 ]
 # What the rest of the server may use of the engine: the request and event types, the backend interface, and the
 # loader (which backend serves a folder, and building it).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from handler.disconnect import DisconnectWatcher
+from handler.process.disconnect import DisconnectWatcher
 
 
 def test_a_closed_peer_is_reported_once() -> None:

@@ -1,4 +1,4 @@
-"""handler/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
+"""handler/process/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
 
 The worker itself (deadlines, /ping beside busy threads, JSON errors) is exercised through the real server in
 tests/e2e/test_transport.py.
@@ -13,7 +13,7 @@ from gunicorn.http import errors as http_errors
 
 from handler.__main__ import gunicorn_options
 from handler.config import Settings
-from handler.request_reader import (
+from handler.process.request_reader import (
     MORE,
     READY,
     ReadTimeout,

@@ -6,6 +6,8 @@ per request (``option.request_read_timeout``), and only a complete request goes 
 are handed to gunicorn's own parser (``DeadlineConn``), which then never waits on the socket, and what it still
 reads is bounded by the same deadline (``DeadlineUnreader``). The error answers the reader and the worker give
 (``error_response``, ``describe``) are the server's JSON shapes: OpenAI's on ``/v1/*``, the legacy one elsewhere.
+
+May import: ``handler.errors``, gunicorn and h11 (it runs before any route: nothing of the app).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from gunicorn.http import errors as http_errors
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers import gthread
 
-from handler.errors import ServingError
+from handler.errors import ErrorShape, ServingError, error_record
 
+MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit; the app answers a longer body with a 413
 # Pool threads for GET /ping alone: it never waits on the model, so two keep it answered whatever else is running.
 PING_THREADS = 2
 # The request line and headers together; nginx, ALB and Node stop between 8 and 64 KiB.
@@ -59,7 +62,7 @@ class Refusal:
 class ScanLimits:
     line: int = 4094                    # gunicorn's limit_request_line
     head: int = MAX_HEAD_BYTES
-    body: int = 6 * 1024 * 1024         # a larger body is refused by the app (413) after it reads one byte more
+    body: int = MAX_BODY_BYTES          # a larger body is refused by the app (413) after it reads one byte more
 
 
 class RequestScanner:
@@ -165,15 +168,11 @@ class RequestScanner:
 
 # ---- error answers ----------------------------------------------------------------------------------------------
 def error_response(status: int, reason: str, message: str, code: str, path: str) -> bytes:
-    """A complete ``Connection: close`` response in the server's error shapes (see ``server.serving_error``)."""
+    """A complete ``Connection: close`` response in the error shape of ``path`` (``ErrorShape.for_path``)."""
     error = ServingError(message, code=code)
     error.status_code = status
     error.error_type = "invalid_request_error" if status < 500 else "internal_error"
-    if path.startswith("/v1/"):
-        payload: dict = {"error": error.to_dict()}
-    else:
-        payload = {"error": message, "error_type": error.error_type, "param": None, "code": status}
-    body = json.dumps(payload).encode()
+    body = json.dumps(error_record(error, ErrorShape.for_path(path))).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Request-Id: req-{uuid.uuid4().hex}\r\n\r\n")
     return head.encode("latin-1") + body
