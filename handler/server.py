@@ -32,7 +32,6 @@ from werkzeug.exceptions import NotFound as NoRoute
 
 from handler import intake, metrics, request_log
 from handler.adapter_registry import SharedAdapters
-from handler.process.disconnect import DisconnectWatcher
 from handler.djl_routes import install_user_handler
 from handler.engine.types import AdapterInfo, GenerationRequest
 from handler.errors import (
@@ -58,6 +57,7 @@ from handler.formatting.context import (
     ResponsesContext,
 )
 from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
+from handler.process.disconnect import DisconnectWatcher
 from handler.protocol import tokenize
 from handler.protocol.adapters import ADAPTER_HEADERS, RegisterAdapter
 from handler.protocol.chat import ChatCompletionRequest
