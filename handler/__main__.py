@@ -37,7 +37,7 @@ def gunicorn_options(settings: Settings) -> dict:
     return {
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.workers,
-        # gthread, reading each request on its event loop under option.request_read_timeout (handler/process/request_reader.py)
+        # gthread, reading each request on its event loop under option.request_read_timeout (process/request_reader.py)
         "worker_class": DeadlineWorker.configure(settings.request_read_timeout),
         "worker_connections": settings.max_connections,
         "threads": settings.threads,

@@ -1,4 +1,4 @@
-"""handler/process/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
+"""process/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
 
 The worker itself (deadlines, /ping beside busy threads, JSON errors) is exercised through the real server in
 tests/e2e/test_transport.py.
