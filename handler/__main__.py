@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from handler.config import Settings, load_settings
-from handler.djl import HandlerLoadError, find_entry_point
+from handler.djl.loading import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError
 from handler.process.preflight import preflight

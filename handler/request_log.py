@@ -31,9 +31,10 @@ log = logging.getLogger(REQUEST_LOGGER)
 class RequestRecord:
     """One HTTP request's figures; times are ``time.monotonic()`` values."""
 
-    request_id: str
+    request_id: str                                        # the engine's id once a request is submitted
     route: str
     started: float
+    has_engine_id: bool = False                            # request_id is the engine's (a batch: its first prompt's)
     schema: str = "none"
     is_stream: bool = False
     prompt: object = None                                  # only when option.log_prompts

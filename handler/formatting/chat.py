@@ -12,15 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from handler.engine.types import ErrorKind, FinishReason, TokenEvent
-from handler.errors import EngineError, ServingError
+from handler.engine.types import FinishReason, TokenEvent
 from handler.formatting.context import (
     OPENAI_FINISH_REASONS,
-    ChatContext,
     ChoiceResult,
     FormatContext,
     best_choices,
-    failure,
+    failure_record,
     finals_of,
     fold,
     usage,
@@ -30,6 +28,17 @@ from handler.parsing.dialects import ToolCall
 from handler.parsing.tool_stream import CallDelta, ToolCallStream, parse_tool_calls
 
 SYSTEM_FINGERPRINT = "fp_sagemaker_llm_container"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatContext(FormatContext):
+    want_logprobs: bool = False          # logprobs
+    include_usage: bool = False          # stream_options.include_usage
+    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning from content in this format (parsing.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 
 def token_logprob(event: TokenEvent, ctx: FormatContext) -> dict:
@@ -221,17 +230,3 @@ def _chunk(ctx: ChatContext, index: int, delta: dict, logprobs: dict | None = No
     if ctx.include_usage:
         record["usage"] = None
     return record
-
-
-def error_record(error: ServingError) -> dict:
-    """The chat shape of an error: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": error.to_dict()}
-
-
-def failure_record(event: TokenEvent) -> dict | None:
-    """The final error record of an OpenAI-shaped stream when ``event`` ends its choice in failure, else None."""
-    if event.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT):
-        return None
-    if event.error_kind is ErrorKind.STOPPED:  # SIGTERM's grace ran out: a 503's shape, the client may retry
-        return error_record(failure(event))
-    return error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))

@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
 from handler.formatting.chat import split_choice
-from handler.formatting.context import ResponsesContext, failure, fold
+from handler.formatting.context import FormatContext, failure, fold
 from handler.parsing import reasoning
 from handler.parsing.dialects import ToolCall
 from handler.parsing.tool_stream import CallDelta, ContentDelta, Delta, ToolCallStream, parse_tool_calls
 
+
+@dataclass(frozen=True, slots=True)
+class ResponsesContext(FormatContext):
+    echo: dict = field(default_factory=dict)  # the request fields the response object repeats (protocol's echo())
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning into a reasoning item (parsing.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 def new_item_id(prefix: str) -> str:
     """OpenAI's id style: ``msg_…``, ``fc_…``, ``resp_…``."""

@@ -11,16 +11,17 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from handler.endpoints.invocations import sniff_schema
+from handler.endpoints.responses import ResponseStore, StoredResponse
 from handler.engine.types import FinishReason
 from handler.errors import BadRequest
 from handler.formatting import legacy
 from handler.formatting import responses as fmt
-from handler.formatting.context import LegacyContext, ResponsesContext
 from handler.formatting.framing import typed_sse
+from handler.formatting.legacy import LegacyContext
+from handler.formatting.responses import ResponsesContext
 from handler.protocol.common import ExtraParameters, parse_model, parse_request
 from handler.protocol.responses import ResponsesRequest, responses_param
-from handler.response_store import ResponseStore, StoredResponse
-from handler.server import sniff_schema
 from tests.unit.test_formatting import ctx, ev, hello_events
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
