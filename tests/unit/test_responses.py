@@ -286,6 +286,14 @@ def test_tgi_details_have_prefill_and_seed_and_no_inputs() -> None:
     assert details["tokens"][0] == {"id": 5, "text": "Hel", "logprob": -0.1, "special": False}
 
 
+@pytest.mark.parametrize(("is_tgi", "key"), [(True, "logprob"), (False, "log_prob")])
+def test_a_failed_legacy_stream_ends_with_a_line_in_its_own_spelling(is_tgi: bool, key: str) -> None:
+    events = iter([ev(0, 5, "Hel", -0.1), ev(0, None, "", finish=FinishReason.ERROR, error="boom", generated=1)])
+    lines = list(legacy.generated_lines(events, "Say", ctx(LegacyContext, is_tgi=is_tgi)))
+    assert lines[-1] == {"token": {"id": -1, "text": "", key: None, "special": True}, "generated_text": None,
+                         "details": {"finish_reason": "error", "generated_tokens": 1}, "error": "boom"}
+
+
 # ---- reasoning models -------------------------------------------------------------------------------------------
 
 def think_events(finish: FinishReason = FinishReason.EOS) -> list:
