@@ -12,6 +12,9 @@ The threads of one worker all share the engine's batch.
 Metrics: the workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` so a scrape that reaches any worker sees all
 of them. The master makes that folder before forking (prometheus-client picks its mode from the variable when it is
 first imported, in the workers) and marks each dead worker so its live gauges stop counting.
+
+May import: anything of the package (it is the entry point); the app itself only inside the worker
+(``build_worker_app``), so the master stays light.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ def keep_freed_memory() -> None:
     """Stop glibc from handing large freed blocks back to the OS (and mmapping fresh ones per allocation).
 
     Every engine step allocates the same few MB of activations and logits. With glibc's defaults each large block
-    is a fresh mmap, page-faulted in and unmapped again; on a VM whose memory is backed lazily that made steps take
-    seconds instead of milliseconds (measured here). Keeping the blocks in the heap makes them reusable.
+    is a fresh mmap, page-faulted in and unmapped again, which on a VM whose memory is backed lazily dominates a
+    step. Keeping the blocks in the heap makes them reusable.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

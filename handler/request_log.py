@@ -5,6 +5,8 @@ wraps each engine handle the request reads, timing its tokens as the server cons
 includes the wait for a batch slot). When the response closes, the record becomes one JSON line on stdout and the
 request-level metrics. Prompt text is left out of the log unless ``option.log_prompts`` asks for it: prompts are the
 customer's data.
+
+May import: ``handler.errors``, ``metrics`` and the engine's interface (handles and events).
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Wires settings to a running backend: resolves device, dtype, limits and request defaults, picks the backend,
-loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder)."""
+loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder), the
+LoRA adapters shared by the workers, and a user's handler when the model folder brings one.
+
+May import: ``handler.config``, ``handler.errors``, ``metrics``, the engine's interface (``backend``, ``loader``,
+``types``), the prompt layer, ``process.preflight``, ``adapter_registry`` and ``djl.loading``.
+"""
 
 from __future__ import annotations
 
