@@ -1,5 +1,6 @@
 """The import directions docs/ARCHITECTURE.md describes, checked on the source (AST, nothing imported): the layers
-of the server, the rooms inside the engine, and no import circles anywhere in the package. Every import counts,
+of the server, the rooms inside the engine, the front door's endpoints (one module per API, none importing
+another), no import circles anywhere in the package, and the sizes of files and classes. Every import counts,
 those inside functions and under ``TYPE_CHECKING`` too: a circle drawn only for the type checker is still a
 circle a reader has to follow.
 
