@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from handler.engine.types import ReasoningGate
 from handler.errors import BadRequest, Unprocessable
 from handler.parsing import dialects, reasoning
-from handler.prompt import tools
+from handler.prompt.tools import render_calls, template_renders_tools, tools_system_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class PromptRenderer:
         template = getattr(tokenizer, "chat_template", None)
         self.has_chat_template = bool(template)
         self.tool_format = dialects.detect_format(template, None if tool_format == "auto" else tool_format)
-        self._template_renders_tools = tools.template_renders_tools(template)
+        self._template_renders_tools = template_renders_tools(template)
         # gpt-oss's template writes each tool as "// " + description, and fails on a tool without one
         self._template_needs_descriptions = reasoning.detect_parser(
             template if isinstance(template, str) else None, "auto") == "gpt_oss"
@@ -180,14 +180,14 @@ class PromptRenderer:
         rendered = []
         for message in messages:
             if message.get("tool_calls"):
-                calls = tools.render_calls(message["tool_calls"], self.tool_format)
+                calls = render_calls(message["tool_calls"], self.tool_format)
                 text = message.get("content") or ""
                 message = {**message, "content": f"{text}\n{calls}" if text else calls}
                 del message["tool_calls"]
             rendered.append(message)
         if not tools:
             return rendered
-        description = tools.tools_system_prompt(tools, self.tool_format)
+        description = tools_system_prompt(tools, self.tool_format)
         if rendered and rendered[0]["role"] == "system" and isinstance(rendered[0].get("content"), str):
             return [{**rendered[0], "content": f"{rendered[0]['content']}\n\n{description}"}, *rendered[1:]]
         return [{"role": "system", "content": description}, *rendered]
