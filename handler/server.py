@@ -73,7 +73,7 @@ def route_table(door: FrontDoor) -> list[Route]:
         Route("POST", "/v1/responses", responses.post),
         Route("GET", "/v1/responses/<response_id>", responses.get),
         Route("DELETE", "/v1/responses/<response_id>", responses.delete),
-        Route("GET", "/v1/models", models.list),
+        Route("GET", "/v1/models", models.list_all),
         Route("GET", "/v1/models/<path:model_id>", models.get),
         Route("POST", "/generate", legacy.generate),
         Route("POST", "/generate_stream", legacy.generate_stream),
@@ -81,7 +81,7 @@ def route_table(door: FrontDoor) -> list[Route]:
         Route("POST", "/tokenize", tokenizer.tokenize),
         Route("POST", "/detokenize", tokenizer.detokenize),
         Route("POST", "/adapters", adapters.register),
-        Route("GET", "/adapters", adapters.list),
+        Route("GET", "/adapters", adapters.list_all),
         Route("DELETE", "/adapters/<path:name>", adapters.unregister),
     ]
 

@@ -28,7 +28,7 @@ class Adapters(Endpoint):
         return json_response({"message": f"Adapter {name} unregistered"})
 
     @answers
-    def list(self, call: Call) -> Response:
+    def list_all(self, call: Call) -> Response:
         return json_response({"adapters": [_card(info) for info in self._store().list()]})
 
     def _store(self) -> SharedAdapters:

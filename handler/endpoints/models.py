@@ -11,7 +11,7 @@ from handler.errors import NotFound
 
 class Models(Endpoint):
     @answers
-    def list(self, call: Call) -> Response:
+    def list_all(self, call: Call) -> Response:
         return json_response({"object": "list", "data": [self._card()]})
 
     @answers
