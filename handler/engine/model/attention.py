@@ -82,6 +82,9 @@ def pick(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout, cache: KVStore) -> None:
     """The step's keys and values into their slots: the decode rows', then each prefill chunk's."""
+    if len(layout.decode_groups) == 1 and not layout.prefill_chunks:  # one decode group is every row: no slicing
+        cache.write_decode(layer, layout.decode_groups[0][0], k, v, layout.decode_positions)
+        return
     row = 0
     for group, count in layout.decode_groups:
         rows = slice(row, row + count)
@@ -99,6 +102,8 @@ class KernelAttention:
         self.call = lib.attention_rows
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window or 0
+        self._layout: StepLayout | None = None  # the step whose rows ``_segments`` holds (one array for its layers)
+        self._segments: ctypes.Array | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
                  cache: KVStore, sliding: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,29 +114,29 @@ class KernelAttention:
 
     def attend(self, q: torch.Tensor, layout: StepLayout, cache: KVStore, layer: int, sliding: bool = False,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows' attention over what the cache holds (their own keys and values written)."""
+        """The rows' attention over what the cache holds (their own keys and values written); ``sinks``
+        contiguous."""
         segments = self.segments(layer, layout, cache)
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         out = torch.empty(q.shape[0], self.heads * self.head_dim)
-        if sinks is not None:
-            sinks = sinks.contiguous()
-        failed = self.call(q.data_ptr(), q.stride(0), out.data_ptr(), self.heads, self.kv_heads, self.head_dim,
-                           segments, len(segments), self.window if sliding else 0,
-                           None if sinks is None else sinks.data_ptr())
-        if failed:
+        if self.call(q.data_ptr(), q.stride(0), out.data_ptr(), self.heads, self.kv_heads, self.head_dim, segments,
+                     len(segments), self.window if sliding else 0, None if sinks is None else sinks.data_ptr()):
             raise IndexError(f"attention: a row's position is outside its KV slot (layer {layer})")
         return out
 
     def segments(self, layer: int, layout: StepLayout, cache: KVStore) -> ctypes.Array:
-        """The step's rows as ``attention.c`` reads them, with this layer's keys and values."""
-        segments = (Segment * (len(layout.decode_groups) + len(layout.prefill_chunks)))()
-        index, row = 0, 0
+        """The step's rows as ``attention.c`` reads them, with this layer's keys and values (one array per step,
+        its pointers set for each layer)."""
+        if layout is not self._layout:
+            self._layout = layout
+            self._segments = (Segment * (len(layout.decode_groups) + len(layout.prefill_chunks)))()
+        segments, index, row = self._segments, 0, 0
         positions = layout.decode_positions
         for (group, count), length in zip(layout.decode_groups, layout.decode_lengths, strict=True):
             keys, values = cache.decode_view(layer, group, length)  # [count, kv_heads, length, head_dim]
             segments[index] = Segment(keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), row, count,
-                                      positions.data_ptr() + row * positions.element_size(), 0)
+                                      positions.data_ptr() + row * 8, 0)
             index, row = index + 1, row + count
         for slot, start, length in layout.prefill_chunks:
             keys, values = cache.prefill_view(layer, slot, start + length)  # [1, kv_heads, length, head_dim]

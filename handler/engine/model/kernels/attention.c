@@ -329,6 +329,22 @@ INLINE int64_t first_key(int64_t window, int64_t position) {
     return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
 }
 
+/* A thread's scratch for its work items, grown as needed and kept (an item's buffers are a few kilobytes to a few
+ * hundred; allocating them per item cost more than a short decode row's arithmetic) */
+static __thread char *scratch;
+static __thread size_t scratch_size;
+
+static char *scratch_of(size_t size) {
+    if (size > scratch_size) {
+        free(scratch);
+        scratch_size = size > 2 * scratch_size ? size : 2 * scratch_size;
+        scratch = aligned_alloc(64, scratch_size);
+    }
+    return scratch;
+}
+
+#define ROUND64(n) (((n) + 63) & ~(size_t)63)
+
 INLINE void run_item_dim(const job_t *job, const item_t *item, const int dim) {
     const segment_t *seg = job->segments + item->segment;
     const int group = job->heads / job->kv_heads, g = item->kv_head;
@@ -336,14 +352,18 @@ INLINE void run_item_dim(const job_t *job, const item_t *item, const int dim) {
     /* every row of an item reads one slot: a prefill chunk's, or a decode row's own */
     const int64_t kv = item->first * seg->slot_stride + (int64_t)g * seg->head_stride;
     const float *keys = seg->keys + kv, *vals = seg->values + kv;
-    row_state_t *states = aligned_alloc(64, sizeof(row_state_t) * rows);
-    float *accs = aligned_alloc(64, sizeof(float) * dim * rows), *s = aligned_alloc(64, sizeof(float) * TILE * rows);
-    float *kt = aligned_alloc(64, sizeof(float) * TILE * dim);
-    void **pointers = malloc(sizeof(void *) * rows * 3);  /* the rows a tile takes: their q, scores and sums */
+    const size_t sizes[] = {ROUND64(sizeof(row_state_t) * rows), ROUND64(sizeof(float) * dim * rows),
+                            ROUND64(sizeof(float) * TILE * rows), ROUND64(sizeof(float) * TILE * dim),
+                            ROUND64(sizeof(void *) * rows * 3), ROUND64(sizeof(int64_t) * rows * 2),
+                            ROUND64(sizeof(int) * rows)};
+    char *at = scratch_of(sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4] + sizes[5] + sizes[6]);
+    row_state_t *states = (row_state_t *)at;
+    float *accs = (float *)(at += sizes[0]), *s = (float *)(at += sizes[1]), *kt = (float *)(at += sizes[2]);
+    void **pointers = (void **)(at += sizes[3]);  /* the rows a tile takes: their q, scores and sums */
     const float **active_q = (const float **)pointers;
     float **active_s = (float **)(pointers + rows), **active_acc = (float **)(pointers + 2 * rows);
-    int64_t *lo = malloc(sizeof(int64_t) * rows * 2), *pos = lo + rows;
-    int *active = malloc(sizeof(int) * rows);
+    int64_t *lo = (int64_t *)(at += sizes[4]), *pos = lo + rows;
+    int *active = (int *)(at + sizes[5]);
     memset(accs, 0, sizeof(float) * dim * rows);
     int64_t lo_tile = INT64_MAX, hi_tile = 0;
     for (int r = 0; r < rows; r++) {
@@ -397,13 +417,6 @@ INLINE void run_item_dim(const job_t *job, const item_t *item, const int dim) {
         for (int d = 0; d < dim; d += 8)
             _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_mul_ps(_mm256_load_ps(acc + d), kept), norm));
     }
-    free(active);
-    free(lo);
-    free(pointers);
-    free(kt);
-    free(s);
-    free(accs);
-    free(states);
 }
 
 static void run_item(const job_t *job, const item_t *item) {
@@ -438,7 +451,7 @@ int attention_rows(const float *q, int64_t q_stride, float *out, int heads, int 
         }
         num_items += (s->slot_stride ? s->count : (s->count + ITEM_ROWS - 1) / ITEM_ROWS) * kv_heads;
     }
-    item_t *items = malloc(sizeof(item_t) * (num_items ? num_items : 1));
+    item_t few[64], *items = num_items <= 64 ? few : malloc(sizeof(item_t) * num_items);
     int64_t n = 0, total = 0;
     for (int i = 0; i < num_segments; i++) {
         const segment_t *s = segments + i;
@@ -446,7 +459,8 @@ int attention_rows(const float *q, int64_t q_stride, float *out, int heads, int 
         for (int64_t first = 0; first < s->count; first += rows) {
             const int64_t count = s->count - first < rows ? s->count - first : rows;
             int64_t keys = 0;
-            for (int64_t r = first; r < first + count; r++) keys += position_of(s, r) + 1 - first_key(window, position_of(s, r));
+            for (int64_t r = first; r < first + count; r++)
+                keys += position_of(s, r) + 1 - first_key(window, position_of(s, r));
             for (int g = 0; g < kv_heads; g++) {
                 items[n++] = (item_t){i, g, first, count, keys};
                 total += keys;
@@ -457,6 +471,6 @@ int attention_rows(const float *q, int64_t q_stride, float *out, int heads, int 
     const job_t job = {q, q_stride, out, heads, kv_heads, dim, window, sinks, segments};
 #pragma omp parallel for schedule(dynamic, 1) if (total * heads > 32768)
     for (int64_t i = 0; i < n; i++) run_item(&job, items + i);
-    free(items);
+    if (items != few) free(items);
     return 0;
 }
