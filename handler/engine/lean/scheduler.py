@@ -45,9 +45,10 @@ class Scheduler:
         # a step's prefill is budgeted by cost, so a step at the end of a long prompt takes about as long as one at
         # its start and the decoding sequences beside it are not held up
         self.attention_tokens = 1 << 62
-        # the lean model's KEY_BLOCK: its prefill attention computes a partly filled block of query positions whole
-        # (``layout.StepLayout``), so a chunk's ragged end would be paid for twice, by its step and the next
-        # (measured: a 1024-token prompt in 37-token chunks took 1.2x the prefill time, in 256-token ones 1.02x)
+        # the lean model's KEY_BLOCK where its prefill attention computes a partly filled block of query positions
+        # whole (``attention.MatmulAttention``), so a chunk's ragged end would be paid for twice, by its step and the
+        # next (measured: a 1024-token prompt in 37-token chunks took 1.2x the prefill time, in 256-token ones
+        # 1.02x); 1 where the attention kernel runs
         self.chunk_align = 1
         self.match_prefix = match_prefix   # sets a new sequence's num_cached from a cached prefix
         self.space = Unbounded()

@@ -98,6 +98,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout, c
 class KernelAttention:
     """Every row of a step in one kernel call a layer (``kernels/attention.c``; module doc)."""
 
+    query_block = 1  # a prefill chunk costs its own rows' work, wherever it ends
+
     def __init__(self, lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
         self.call = lib.attention_rows
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -147,6 +149,8 @@ class KernelAttention:
 
 class MatmulAttention:
     """Attention as torch's matmuls over whole KEY_BLOCKs under the layout's masks (module doc)."""
+
+    query_block = KEY_BLOCK  # a prefill block is computed as all the query positions of its KEY_BLOCK
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, softcap: float | None) -> None:
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
