@@ -16,9 +16,9 @@
  * A key outside a row's range within a tile it reads gets a zero weight, which adds exact zeros (the sums are never
  * -0), so how many such keys a tile carries for the rows beside it changes nothing.
  * Every operation is one IEEE single-precision operation per lane. The AVX2 and FMA code runs everywhere; where the
- * CPU has AVX-512 the scores and the output sums take 16-lane instructions doing the same operations on the same
- * lanes (``attention_use_avx512``), so both give the same bits (tests/unit/test_attention_kernel.py checks it, and the
- * kernel against float64 attention).
+ * CPU has AVX-512, the scores, the softmax, the output sums and the key transposes take 16-lane instructions doing the
+ * same operations on the same lanes (``attention_use_avx512``), so both give the same bits
+ * (tests/unit/test_attention_kernel.py checks it, and the kernel against float64 attention).
  *
  * Built with -ffp-contract=off: the fused multiply-adds are the explicit ones.
  */
@@ -92,6 +92,26 @@ INLINE __m256 exp8(__m256 x) {
 
 INLINE float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
+/* exp8's operations on 16 lanes */
+INLINE AVX512 __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
 INLINE float sum_lanes(__m256 a) {
     float v[8] ALIGNED;
     _mm256_store_ps(v, a);
@@ -119,9 +139,42 @@ INLINE void transpose8(const float *src, int64_t src_stride, float *dst, int64_t
     }
 }
 
-static void transpose_tile(const float *keys, const int dim, float *kt) {
-    for (int j = 0; j < TILE; j += 8)
+/* the first ``count`` keys of a tile (32 or 64: what the scores read) */
+static void transpose_avx2(const float *keys, int count, const int dim, float *kt) {
+    for (int j = 0; j < count; j += 8)
         for (int d = 0; d < dim; d += 8) transpose8(keys + (int64_t)j * dim + d, dim, kt + d * TILE + j, TILE);
+}
+
+INLINE AVX512 void transpose16(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 16; i += 2) {  /* lane L of t[2i] / t[2i + 1]: columns 4L..4L+1 / 4L+2..4L+3 of rows 2i, 2i+1 */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* lane L of r[i + k]: column 4L + k of rows i..i+3 */
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int k = 0; k < 4; k++) {  /* lanes of columns k, 8 + k (t[k]) and 4 + k, 12 + k (t[4 + k]), rows 0-7 */
+        t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+        t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+        t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm512_storeu_ps(dst + k * dst_stride, _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+        _mm512_storeu_ps(dst + (8 + k) * dst_stride, _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+        _mm512_storeu_ps(dst + (4 + k) * dst_stride, _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+        _mm512_storeu_ps(dst + (12 + k) * dst_stride, _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+    }
+}
+
+static AVX512 void transpose_avx512(const float *keys, int count, const int dim, float *kt) {
+    for (int j = 0; j < count; j += 16)
+        for (int d = 0; d < dim; d += 16) transpose16(keys + (int64_t)j * dim + d, dim, kt + d * TILE + j, TILE);
 }
 
 /* ---- scores: s[r][j] = q_r . k_j, lane j of a vector per key, one chain over d: a product, then FMAs ------------- */
@@ -267,27 +320,11 @@ static AVX512 void values_avx512(const float *const *p, int rows, const float *v
     }
 }
 
-typedef void (*scores_fn)(const float *const *, int, const float *, int, int, float *const *);
-typedef void (*values_fn)(const float *const *, int, const float *, int, int, float *const *);
-static scores_fn scores = scores_avx2;
-static values_fn values = values_avx2;
-
-/* Whether to take the AVX-512 scores and output sums (where the CPU has AVX-512; the same bits either way): returns
- * whether they are taken now */
-int attention_use_avx512(int wanted) {
-    __builtin_cpu_init();
-    const int use = wanted && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512vl");
-    scores = use ? scores_avx512 : scores_avx2;
-    values = use ? values_avx512 : values_avx2;
-    return use;
-}
-
 /* ---- a tile, a work item, a call ---------------------------------------------------------------------------------- */
 
 /* One row's softmax over its keys lo..hi of the tile at t0, whose scores are s[0..TILE): the running max, the
  * normaliser's lanes and the output's sums rescaled where the max grows; s becomes the weights (0 outside lo..hi) */
-INLINE void softmax_tile(float *s, int64_t t0, int64_t lo, int64_t hi, int groups, row_state_t *state, float *acc,
+static void softmax_avx2(float *s, int64_t t0, int64_t lo, int64_t hi, int groups, row_state_t *state, float *acc,
                          const int dim) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
     const __m256 first = _mm256_set1_ps((float)(lo - t0)), last = _mm256_set1_ps((float)(hi - t0));
@@ -321,6 +358,68 @@ INLINE void softmax_tile(float *s, int64_t t0, int64_t lo, int64_t hi, int group
         sums = _mm256_add_ps(sums, p);
     }
     _mm256_store_ps(state->sums, sums);
+}
+
+/* softmax_avx2's operations, two groups of eight keys to a vector: the same lanes, the normaliser's sums added group
+ * by group in the same order */
+static AVX512 void softmax_avx512(float *s, int64_t t0, int64_t lo, int64_t hi, int groups, row_state_t *state,
+                                  float *acc, const int dim) {
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 first = _mm512_set1_ps((float)(lo - t0)), last = _mm512_set1_ps((float)(hi - t0));
+    const int pairs = (groups + 1) / 2;  /* a last odd group's partner: keys past hi, so -inf and zero weights */
+    __m512 most = minus_inf;
+    for (int g = 0; g < pairs; g++) {
+        const __m512 index = _mm512_add_ps(lane, _mm512_set1_ps((float)(16 * g)));
+        const __mmask16 inside = _mm512_cmp_ps_mask(index, first, _CMP_GE_OQ) & _mm512_cmp_ps_mask(index, last,
+                                                                                                    _CMP_LE_OQ);
+        const __m512 v = _mm512_mask_blend_ps(inside, minus_inf, _mm512_load_ps(s + 16 * g));
+        _mm512_store_ps(s + 16 * g, v);
+        most = _mm512_max_ps(most, v);
+    }
+    const float m = _mm512_reduce_max_ps(most);
+    __m256 sums = _mm256_load_ps(state->sums);
+    if (m > state->max) {
+        if (state->max != -INFINITY) {  /* before the first keys every sum is zero */
+            const float f = exp1(state->max - m);
+            sums = _mm256_mul_ps(sums, _mm256_set1_ps(f));
+            for (int d = 0; d < dim; d += 16)
+                _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(f)));
+        }
+        state->max = m;
+    }
+    const __m512 mv = _mm512_set1_ps(state->max);
+    for (int g = 0; g < pairs; g++) {
+        const __m512 v = _mm512_load_ps(s + 16 * g);
+        const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ),
+                                             exp16(_mm512_sub_ps(v, mv)));
+        _mm512_store_ps(s + 16 * g, p);
+        sums = _mm256_add_ps(sums, _mm512_castps512_ps256(p));
+        sums = _mm256_add_ps(sums, _mm512_extractf32x8_ps(p, 1));
+    }
+    _mm256_store_ps(state->sums, sums);
+}
+
+typedef void (*scores_fn)(const float *const *, int, const float *, int, int, float *const *);
+typedef void (*values_fn)(const float *const *, int, const float *, int, int, float *const *);
+typedef void (*softmax_fn)(float *, int64_t, int64_t, int64_t, int, row_state_t *, float *, int);
+typedef void (*transpose_fn)(const float *, int, int, float *);
+static transpose_fn transpose = transpose_avx2;
+static scores_fn scores = scores_avx2;
+static values_fn values = values_avx2;
+static softmax_fn softmax = softmax_avx2;
+
+/* Whether to take the AVX-512 scores and output sums (where the CPU has AVX-512; the same bits either way): returns
+ * whether they are taken now */
+int attention_use_avx512(int wanted) {
+    __builtin_cpu_init();
+    const int use = wanted && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                    __builtin_cpu_supports("avx512vl");
+    scores = use ? scores_avx512 : scores_avx2;
+    values = use ? values_avx512 : values_avx2;
+    softmax = use ? softmax_avx512 : softmax_avx2;
+    transpose = use ? transpose_avx512 : transpose_avx2;
+    return use;
 }
 
 INLINE int64_t position_of(const segment_t *s, int64_t i) { return s->positions ? s->positions[i] : s->start + i; }
@@ -391,11 +490,11 @@ INLINE void run_item_dim(const job_t *job, const item_t *item, const int dim) {
         }
         if (!n) continue;
         const int groups = (int)((top - t0) / 8 + 1);  /* the tile's keys up to the last any row reads */
-        transpose_tile(keys + t0 * dim, dim, kt);
+        transpose(keys + t0 * dim, groups > 4 ? TILE : TILE / 2, dim, kt);
         scores(active_q, n, kt, groups, dim, active_s);
         for (int a = 0; a < n; a++) {
             const int r = active[a];
-            softmax_tile(active_s[a], t0, lo[r] > t0 ? lo[r] : t0, pos[r] < top ? pos[r] : top, groups, states + r,
+            softmax(active_s[a], t0, lo[r] > t0 ? lo[r] : t0, pos[r] < top ? pos[r] : top, groups, states + r,
                          active_acc[a], dim);
         }
         values((const float *const *)active_s, n, vals + t0 * dim, (int)(top - t0 + 1), dim, active_acc);
