@@ -66,7 +66,7 @@ class StepLayout:
     prefill_blocks: list[tuple[object, int, int]]
     groups: int                        # query heads per KV head
     window: int | None = None
-    _masks: dict = field(default_factory=dict)   # (window, kind) -> masks, built on first use
+    _masks: dict = field(default_factory=dict)   # window (None: full) -> (decode masks, prefill masks), built once
 
     @property
     def decode_masks(self) -> list[torch.Tensor]:
