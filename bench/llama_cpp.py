@@ -39,6 +39,25 @@ def q8_gguf(model_dir: Path) -> Path:
     return target
 
 
+# llama.cpp's AMX kernels (its Q8_0 weights repacked for AMX tiles, taken where the CPU reports AMX) died with SIGILL
+# on an AMX machine here at the first matmul (`tilezero` on a thread whose tiles were not configured); without weight
+# repacking it runs its AVX-512 kernels
+NO_REPACK = ["--no-repack"]
+SIGILL = -4
+
+
+def start_server(start, command: list[str], log: Path) -> tuple[object, str, float, list[str]]:
+    """``bench.run.start`` of ``command`` (``server_command``'s); where llama.cpp dies with SIGILL before it is
+    ready, again with ``NO_REPACK``. Returns the process, its URL, its start time and the flags added."""
+    try:
+        return (*start(command, {}, log, ready_path="/health"), [])
+    except RuntimeError as error:
+        if f"exited with {SIGILL}" not in str(error):
+            raise
+    print(f"llama.cpp died with SIGILL before it was ready (see {log}); again with {' '.join(NO_REPACK)}", flush=True)
+    return (*start(command + NO_REPACK, {}, log, ready_path="/health"), NO_REPACK)
+
+
 def server_command(model_dir: Path, slots: int, context_per_slot: int, threads: int) -> list[str]:
     """``llama-server`` on ``{port}`` (bench.run fills it in) with ``slots`` parallel sequences."""
     binary = server_binary()

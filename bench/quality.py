@@ -19,6 +19,7 @@ same as one at a time.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,9 @@ def main() -> None:
                         help="comma-separated: default, none, all, or sites joined by +")
     parser.add_argument("--paths", default="7,8", help="activation bits of the unsplit layers: 7, 8 or both")
     parser.add_argument("--max-tokens", type=int, default=100)
+    parser.add_argument("--save-answers", type=Path, metavar="FILE",
+                        help="also write every scheme's answers as JSON ({row name: [text, ...]}), to compare two "
+                             "checkouts' answers question by question")
     args = parser.parse_args()
     torch.set_num_threads(2)
     tokenizer = load_tokenizer(MODEL_DIR)
@@ -176,6 +180,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     print(row("fp32", reference, reference, teacher_forced(ref_logprobs, fp32, texts), time.monotonic() - start),
           flush=True)
+    saved = {"fp32": [a.text for a in reference]}
     del fp32
     for bits in args.paths.split(","):
         for scheme in args.schemes.split(","):
@@ -187,6 +192,9 @@ def main() -> None:
             label = "+".join(sorted(split)) or "—"
             print(row(f"int8, {bits}-bit, split: {label}", answers, reference, forced, time.monotonic() - start),
                   flush=True)
+            saved[f"int8, {bits}-bit, split: {label}"] = [a.text for a in answers]
+    if args.save_answers:
+        args.save_answers.write_text(json.dumps(saved, indent=1, ensure_ascii=False))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ by ``make llama-cpp``, never in CI) under the same load, on its chat route, and 
 ``--long-prompts N`` adds a prefill-heavy level to every server: N concurrent streams of ~1k-token prompts
 (16 new tokens each), reported as TTFT p50/p95.
 
+Every table names the CPU (``bench.machine``: model name, AVX2 / AVX-512 / AMX flags, and any setting that holds the
+run to AVX2). ``python -m bench.long_prompts`` measures long prompts (1k-8k tokens, eight 7k-token prompts beside a
+short chat) against llama.cpp.
+
 ``--backend vllm`` also serves the same model through the vLLM backend (``option.rolling_batch=vllm``, from
 ``.venv-vllm``: ``make venv-vllm``), drives it with the same load in the same run, and adds a lean-vs-vLLM table:
 tok/s, TTFT, start time and RSS (all of vLLM's processes).
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
+
+from bench.machine import cpu_label
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "model_store" / "smollm2-135m-instruct"
@@ -336,7 +342,7 @@ def measure_llama_cpp(levels: list[int], per_client: int, out: Path, long_prompt
 
     slots = max(levels + [long_prompts])
     command = llama_cpp.server_command(MODEL_DIR, slots, 1536 if long_prompts else 256, os.cpu_count() or 1)
-    process, url, ready_s = start(command, {}, out / "llama-cpp.log", ready_path="/health")
+    process, url, ready_s, _flags = llama_cpp.start_server(start, command, out / "llama-cpp.log")
     print(f"llama.cpp: start -> /health 200 in {ready_s:.1f} s; idle RSS {rss_mb(process.pid):.0f} MB", flush=True)
     try:
         return measure("llama.cpp", url, process.pid, levels, per_client, Route("/v1/chat/completions", sse=True),
@@ -375,7 +381,7 @@ def render_variants(variants: list[tuple[str, dict]], results: dict[str, tuple[d
     names = [name for name, _ in variants]
     lines = ["", f"## Settings compared in the same run ({rounds} round(s), alternating; medians)", ""]
     lines += [f"- {name}: " + (", ".join(f"`{k}={v}`" for k, v in env.items()) or "the defaults")
-              for name, env in variants]
+              + f"; CPU: {cpu_label({**os.environ, **env})}" for name, env in variants]
     lines += ["", "| mode | clients | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
               " | ".join(f"{n} / ours" for n in names[1:]) + " |", "|---|---|" + "---|" * (2 * len(names) - 1)]
     ours = results["ours"][0]
@@ -402,7 +408,8 @@ def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, lev
              "baseline. Chat schema on /invocations, greedy, ignore_eos, 64 new tokens, distinct prompts.",
              "", f"Start -> /ping 200: ours {ready_s:.1f} s" + (f", baseline {base_ready:.1f} s" if base_ready else ""),
              "", "| mode | clients | ours tok/s | baseline tok/s | ratio | TTFT p50/p95 (ms) | ITL p50/p95 (ms) | "
-             "latency p50/p95 (s) | RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+             "latency p50/p95 (s) | RSS (MB) | CPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    cpu = cpu_label()
     for (stream, clients), row in steady(ours):
         b = base.get((stream, clients))
         baseline = f"{b['tok_s']:.1f}" if b else "—"
@@ -410,7 +417,7 @@ def render(ours: dict, base: dict, ready_s: float, base_ready: float | None, lev
         ttft = f"{row['ttft_p50'] * 1e3:.0f} / {row['ttft_p95'] * 1e3:.0f}" if stream else "—"
         itl = f"{row['itl_p50'] * 1e3:.0f} / {row['itl_p95'] * 1e3:.0f}" if stream else "—"
         lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | {baseline} | {ratio} | "
-                     f"{ttft} | {itl} | {row['lat_p50']:.2f} / {row['lat_p95']:.2f} | {row['rss_mb']:.0f} |")
+                     f"{ttft} | {itl} | {row['lat_p50']:.2f} / {row['lat_p95']:.2f} | {row['rss_mb']:.0f} | {cpu} |")
     single = ours.get((False, 1), {}).get("tok_s")
     sixteen = ours.get((False, 16), {}).get("tok_s")
     if single and sixteen:
@@ -424,7 +431,8 @@ def render_peer(name: str, ours: tuple[dict, float], peer: tuple[dict, float], r
     lines = ["", f"## Ours vs {name} ({rounds} round(s), alternating; medians)", "",
              f"Start -> ready: ours {my_start:.1f} s (/ping 200), {name} {their_start:.1f} s (/health 200)", "",
              f"| mode | clients | ours tok/s | {name} tok/s | ours / {name} | TTFT p50/p95 ours (ms) | "
-             f"TTFT p50/p95 {name} (ms) |", "|---|---|---|---|---|---|---|"]
+             f"TTFT p50/p95 {name} (ms) | CPU |", "|---|---|---|---|---|---|---|---|"]
+    cpu = cpu_label()
     for key, row in sorted(mine.items(), key=lambda item: (str(item[0][0]), item[0][1])):
         other = theirs.get(key)
         if other is None:
@@ -434,7 +442,7 @@ def render_peer(name: str, ours: tuple[dict, float], peer: tuple[dict, float], r
             f"{r['ttft_p50'] * 1e3:.0f} / {r['ttft_p95'] * 1e3:.0f}" for r in (row, other))
         label = {False: "plain", True: "stream", "long": "~1k-token prompts"}[mode]
         lines.append(f"| {label} | {clients} | {row['tok_s']:.1f} | {other['tok_s']:.1f} | "
-                     f"{row['tok_s'] / other['tok_s']:.2f}x | {ttft[0]} | {ttft[1]} |")
+                     f"{row['tok_s'] / other['tok_s']:.2f}x | {ttft[0]} | {ttft[1]} | {cpu} |")
     return "\n".join(lines) + "\n"
 
 
@@ -443,7 +451,8 @@ def render_backends(lean: dict, vllm: dict, lean_ready: float, vllm_ready: float
     lines = ["", f"## Lean engine vs vLLM (`--backend vllm`, vLLM option.dtype={dtype})", "",
              f"Start -> /ping 200: lean {lean_ready:.1f} s, vLLM {vllm_ready:.1f} s", "",
              "| mode | clients | lean tok/s | vLLM tok/s | lean/vLLM | TTFT p50 lean / vLLM (ms) | "
-             "RSS lean / vLLM (MB) |", "|---|---|---|---|---|---|---|"]
+             "RSS lean / vLLM (MB) | CPU |", "|---|---|---|---|---|---|---|---|"]
+    cpu = cpu_label()
     for key, row in steady(lean):
         other = vllm.get(key)
         if other is None:
@@ -451,7 +460,8 @@ def render_backends(lean: dict, vllm: dict, lean_ready: float, vllm_ready: float
         stream, clients = key
         ttft = f"{row['ttft_p50'] * 1e3:.0f} / {other['ttft_p50'] * 1e3:.0f}" if stream else "—"
         lines.append(f"| {'stream' if stream else 'plain'} | {clients} | {row['tok_s']:.1f} | {other['tok_s']:.1f} | "
-                     f"{row['tok_s'] / other['tok_s']:.2f}x | {ttft} | {row['rss_mb']:.0f} / {other['rss_mb']:.0f} |")
+                     f"{row['tok_s'] / other['tok_s']:.2f}x | {ttft} | {row['rss_mb']:.0f} / {other['rss_mb']:.0f} | "
+                     f"{cpu} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,10 +26,11 @@ def post(client, path: str, body: object, **kwargs):
 
 
 def make_engine(loaded, max_step_tokens: int, *, budget: int = 1 << 30, prefix_caching: bool = True,
-                max_running: int = 8, on_stats=None) -> Engine:
+                max_running: int = 8, on_stats=None, runner_class: type[ModelRunner] = ModelRunner) -> Engine:
     """An engine over the shared weights with a runner (KV memory) of its own: an engine frees its cache on its
-    own thread after its last event, which must not land in another engine's step."""
-    runner = ModelRunner(loaded.runner.model, max_running, MAX_MODEL_LEN, budget, prefix_caching)
+    own thread after its last event, which must not land in another engine's step. ``runner_class``: a
+    ``ModelRunner`` subclass that watches the steps."""
+    runner = runner_class(loaded.runner.model, max_running, MAX_MODEL_LEN, budget, prefix_caching)
     runner.prefix_ids, runner.prefix_kv = loaded.runner.prefix_ids, loaded.runner.prefix_kv
     own = dataclasses.replace(loaded, runner=runner)
     engine = Engine(lambda: own,

@@ -6,10 +6,12 @@ and chunked prefill against unchunked.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import pytest
 
+from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.types import FinishReason, GenerationRequest, SamplingParams, StopConditions, TokenEvent
 from handler.prompt.renderer import PromptRenderer
 from tests.integration.conftest import make_engine
@@ -178,6 +180,53 @@ def test_chunked_prefill_matches_unchunked(engine, loaded, renderer) -> None:
     assert chunked.finish.finish_reason is unchunked.finish.finish_reason
     assert_same_or_near_tie(unchunked, chunked)
     assert chunked.events[0].logprob == pytest.approx(unchunked.events[0].logprob, abs=1e-3)
+
+
+class StepWatch(ModelRunner):
+    """The real runner, recording each step's prefill chunks ``(request id, start, length, completes)``; it holds
+    the step in which ``hold`` first says so until ``release`` is set (``held`` is set meanwhile)."""
+
+    hold = staticmethod(lambda chunks: False)
+    held: threading.Event
+    release: threading.Event
+    steps: list
+
+    def run(self, plan):
+        chunks = [(s.request.request.request_id, start, length, start + length == s.prefill_target)
+                  for s, start, length in plan.prefill]
+        self.steps.append(chunks)
+        if not self.held.is_set() and self.hold(chunks):
+            self.held.set()
+            assert self.release.wait(60)
+        return super().run(plan)
+
+
+def test_a_short_chat_gets_its_first_token_from_the_step_after_it_arrives(loaded, renderer) -> None:
+    """A ~400-token prompt prefilling in 64-token steps; a short chat submitted while one of those steps runs: its
+    prompt is computed in the next step, which carries no more of the long prompt than the oldest's quarter, and
+    its first token comes before the long prompt's (the scheduler's bound, counted in steps, not timed)."""
+    text = ("The library opened at nine. Readers came in from the rain, shook their umbrellas, and went to the "
+            "shelves they knew. ") * 14 + "Summarise the paragraph above in one sentence."
+    long_prompt = chat_ids(renderer, text)
+    assert 350 < len(long_prompt) < 450
+    StepWatch.hold = staticmethod(lambda chunks: any(name == "long" and start >= 128 for name, start, *_ in chunks))
+    StepWatch.held, StepWatch.release, StepWatch.steps = threading.Event(), threading.Event(), []
+    engine = make_engine(loaded, max_step_tokens=64, runner_class=StepWatch)
+    try:
+        long_handle = engine.submit(greedy("long", long_prompt, max_new_tokens=2))
+        assert StepWatch.held.wait(60)
+        step = len(StepWatch.steps) - 1        # the step in progress when the short chat arrives
+        short_handle = engine.submit(greedy("short", chat_ids(renderer, "Hi!"), max_new_tokens=2))
+        StepWatch.release.set()
+        short, long = collect(short_handle)[0], collect(long_handle)[0]
+    finally:
+        engine.stop()
+    assert short.finish is not None and long.finish is not None
+    steps = StepWatch.steps[step + 1:]
+    first = {name: next(i for i, chunks in enumerate(steps) if (name, True) in [(c[0], c[3]) for c in chunks])
+             for name in ("short", "long")}
+    assert first["short"] == 0 < first["long"]      # the very next step; the long prompt's token after it
+    assert all(length <= 64 // 4 for name, _start, length, _done in steps[0] if name == "long")
 
 
 def test_a_row_whose_sampling_fails_ends_alone(engine, renderer, monkeypatch) -> None:

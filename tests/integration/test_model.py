@@ -104,6 +104,28 @@ def test_int8_decode_row_does_not_depend_on_its_neighbours(int8_model, prompt_id
     assert torch.equal(alone, crowded), (alone - crowded).abs().max()
 
 
+def test_int8_decode_row_gives_the_prefill_rows_bits(int8_model, prompt_ids):
+    """Each of a prompt's last positions computed as a decode row, after the positions before it were prefilled: the
+    logits its row gets in the whole prompt's prefill. Attention computes a row alike either way (``attention.c``) and
+    the int8 Linears give a row the same bits in any batch, so a sequence that recomputes its decoded tokens as a
+    prefill (after a preemption) continues exactly as it would have."""
+    from handler.engine.model.attention import KernelAttention
+
+    if not isinstance(int8_model.attention, KernelAttention):
+        pytest.skip("attention runs as matmuls here (no kernel)")
+    whole = prefill(int8_model, [prompt_ids])
+    n = len(prompt_ids)
+    for last in (n - 1, n - 5):
+        cache = int8_model.new_cache(1, n)
+        cache.ensure(1, n)
+        layout = build_layout([], [(0, 0, last)], 3, int8_model.device)
+        int8_model.forward(torch.tensor(prompt_ids[:last]), torch.arange(last), layout, cache, torch.tensor([0]))
+        for position in range(last, n):
+            row = int8_model.forward(torch.tensor([prompt_ids[position]]), torch.tensor([position]),
+                                     build_layout([position], [], 3, int8_model.device), cache, torch.tensor([0]))
+            assert torch.equal(row[0], whole[position]), (last, position)
+
+
 def test_the_norm_and_rope_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_model, prompt_ids):
     """The served model (int8) with RMSNorm and the q/k/v split with RoPE in our kernels (``kernels/rms_norm.c``,
     ``rope.c``; a decode row's norm before qkv and gate_up runs inside the int8 kernel's call) and with torch's
@@ -150,11 +172,12 @@ def test_the_norm_and_rope_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_
 
 def test_int8_invariance_holds_on_avx2_kernels_too():
     """The same checks with every kernel library held to AVX2 (no VNNI, no AVX-512), so CI proves both paths on
-    whichever CPU it has: fbgemm, ATen's vector kernels, MKL and oneDNN each honour their variable."""
+    whichever CPU it has: fbgemm, ATen's vector kernels, MKL, oneDNN and our kernels each honour their variable."""
     if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2",
-               MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", ENGINE_TEST_DEVICE="cpu")
+               MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", LLM_INT8_KERNEL_ISA="avx2",
+               ENGINE_TEST_DEVICE="cpu")
     _invariance_tests_pass(env, timeout=600)
 
 
@@ -166,15 +189,16 @@ def test_int8_invariance_holds_on_the_8_bit_path_on_any_cpu():
 
 
 def _invariance_tests_pass(env: dict[str, str], timeout: int) -> None:
-    """The three int8 invariance checks of this module, in a fresh interpreter under ``env`` (kernel choices are
+    """The four int8 invariance checks of this module, in a fresh interpreter under ``env`` (kernel choices are
     made once per process)."""
     tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
              f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
+             f"{__file__}::test_int8_decode_row_gives_the_prefill_rows_bits",
              f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "3 passed" in done.stdout
+    assert "4 passed" in done.stdout
 
 
 def test_avx2_kernels_take_the_7_bit_path():

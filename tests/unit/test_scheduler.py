@@ -157,12 +157,91 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_and_the_oldest_keeps_a_sh
     scheduler.add(request(100, name="a"))
     scheduler.add(request(30, name="b"))
     plan = scheduler.schedule()
-    # budget 64 - 2 decode rows: "a" (oldest) gets a quarter first, "b" (cheapest) all of its 30, "a" the rest
-    assert sorted(chunks(plan)) == [("a", 0, 32), ("b", 0, 30)]
+    # budget 64: "a" (oldest) gets a quarter first, "b" (cheapest) all of its 30; "b" gets its first token from this
+    # step, so "a" gets no more than its quarter (the step stays short)
+    assert sorted(chunks(plan)) == [("a", 0, 16), ("b", 0, 30)]
     fake_run(plan)
     assert not scheduler.running[1].is_prefilling  # "b" decodes from the next step
     plan = scheduler.schedule()
-    assert chunks(plan) == [("a", 32, 62)]
+    assert chunks(plan) == [("a", 16, 62)]  # no new request: "a" takes the whole budget less the two decode rows
+
+
+def first_token_steps(scheduler: Scheduler, arrivals: dict[int, list[RequestState]], steps: int) -> dict[str, int]:
+    """Run ``steps`` steps, adding ``arrivals[step]`` before each; the step at which each request's prompt completes
+    (its first token), by name, and each step's prefill as ``chunks``."""
+    first: dict[str, int] = {}
+    for step in range(steps):
+        for state in arrivals.get(step, []):
+            scheduler.add(state)
+        plan = scheduler.schedule()
+        fake_run(plan)
+        for sequence, start, length in plan.prefill:
+            if start + length == sequence.prefill_target:
+                first.setdefault(sequence.request.request.request_id, step)
+    return first
+
+
+def test_a_short_request_gets_its_first_token_from_the_next_step_whatever_long_prompts_prefill() -> None:
+    """Eight 7,000-token prompts prefilling (chunks deep in them cost their attention too), then a short chat: its
+    prompt is computed in the first step after it arrives, before any long prompt's first token, and that step
+    carries no unfinished prefill but the oldest prompt's quarter of the budget."""
+    scheduler = Scheduler(max_running=16, max_step_tokens=512)
+    scheduler.attention_tokens = 3072  # the embedded model's (``family.attention_tokens``)
+    longs = [request(7000, name=f"long{i}") for i in range(8)]
+    for state in longs:
+        scheduler.add(state)
+    for _ in range(12):  # the first long prompt is well into its prefill
+        fake_run(scheduler.schedule())
+    scheduler.add(request(40, name="short"))
+    plan = scheduler.schedule()
+    fake_run(plan)
+    (short,) = [s for s, _start, _length in plan.prefill if s.request.request.request_id == "short"]
+    assert not short.is_prefilling  # its prompt is complete: the step's logits give its first token
+    unfinished = [(s, start, length) for s, start, length in plan.prefill if s.is_prefilling]
+    quarter = (512 - 9) // 4
+    assert len(unfinished) <= 1 and all(scheduler._chunk_cost(start, length) <= quarter
+                                        for _s, start, length in unfinished)
+    assert all(s.is_prefilling for state in longs for s in state.sequences)  # no long prompt has a token yet
+    # the next step has no new request: the long prompts take the whole budget again
+    plan = scheduler.schedule()
+    assert sum(scheduler._chunk_cost(start, length) for _s, start, length in plan.prefill) > 512 - 10 - 64
+
+
+def test_first_tokens_come_in_order_of_prompt_length_and_shorts_in_one_step_each() -> None:
+    """Short requests arriving over the prefill of two long prompts each get their first token from the step
+    after they arrive; the long prompts' first tokens come after all of theirs, in steps counted from the budget."""
+    scheduler = Scheduler(max_running=16, max_step_tokens=128)
+    arrivals = {0: [request(2000, name="long-a"), request(3000, name="long-b")]}
+    arrivals |= {step: [request(20 + step, name=f"short{step}")] for step in (2, 5, 6, 11, 30)}
+    first = first_token_steps(scheduler, arrivals, 60)
+    assert {name: first[name] for name in first if name.startswith("short")} == {
+        "short2": 2, "short5": 5, "short6": 6, "short11": 11, "short30": 30}
+    # the long prompts: the cheaper first, each after as many steps as its tokens take at about 125 a step (the
+    # budget less the decode rows), plus under one step for each short step that held them to a quarter
+    assert 2000 // 125 <= first["long-a"] < 2000 // 125 + 4 < first["long-b"]
+    assert 5000 // 125 <= first["long-b"] <= 5000 // 125 + 5
+
+
+def test_a_step_that_completes_a_new_prompt_beyond_the_oldests_quarter_stays_short() -> None:
+    """The oldest work is itself a new prompt longer than its quarter: it completes from the cheapest-first pass,
+    and the long prompt that arrived with it waits for the next step."""
+    scheduler = Scheduler(max_running=4, max_step_tokens=512)
+    scheduler.add(request(200, name="short"))
+    scheduler.add(request(5000, name="long"))
+    plan = scheduler.schedule()
+    assert chunks(plan) == [("short", 0, 200)]
+    fake_run(plan)
+    assert chunks(scheduler.schedule()) == [("long", 0, 510)]
+
+
+def test_a_prompt_that_fits_the_budget_by_its_cost_completes_in_one_step() -> None:
+    """Tokens and cost are not mixed up: a 300-token prompt costs 329 with its attention, which fits a 512 budget,
+    so it is computed in one step rather than cut at 300 cost units."""
+    scheduler = Scheduler(max_running=4, max_step_tokens=512)
+    scheduler.attention_tokens = 3072
+    scheduler.add(request(300, name="p"))
+    assert scheduler._chunk_cost(0, 300) > 300
+    assert chunks(scheduler.schedule()) == [("p", 0, 300)]
 
 
 def test_a_short_request_waits_a_step_not_a_long_prefill() -> None:

@@ -2,10 +2,16 @@
 
 Every step decodes one token for every running sequence and spends what is left of the per-step token budget on
 prefill, a chunk deep in a long prompt counting its attention too (so a step takes about as long at any depth, and
-sequences decoding beside a long prompt's prefill keep getting tokens at a steady pace). Prefill goes to the
-cheapest work first (fewest tokens left to compute, then the oldest), so a short request's first token waits a step
-or two behind a long prompt rather than its whole prefill; the oldest piece of work is served first with a quarter
-of the budget, so a stream of short requests cannot starve a long one.
+sequences decoding beside a long prompt's prefill keep getting tokens at a steady pace). The oldest piece of work is
+served first with a quarter of the budget, so a stream of short requests cannot starve a long one; then the prompts
+that complete in this step, cheapest first (fewest tokens left to compute, then the oldest); then, cheapest first,
+chunks of the rest, unless a request that joined the batch in this step completes its prompt in it: that step
+carries no other unfinished prefill than the oldest's quarter, so it takes a fraction of a full step.
+
+The bound that gives (README, "KV memory"): a request whose prompt fits what a step leaves it (the budget less the
+decode rows and the oldest's quarter; shared with others arriving together), and whose slot fits, gets its first
+token from the first step that starts after it arrives, whatever long prompts are prefilling; its time to first
+token is at most the rest of the step in progress plus one short step.
 
 Memory is the KV space's (``runners.kv_space.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a
 request is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has
@@ -20,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from handler.engine.core.request import RequestState, Sequence
 from handler.engine.runners.base import StepPlan, Unbounded
@@ -38,9 +45,10 @@ class Scheduler:
         # a step's prefill is budgeted by cost, so a step at the end of a long prompt takes about as long as one at
         # its start and the decoding sequences beside it are not held up
         self.attention_tokens = 1 << 62
-        # the lean model's KEY_BLOCK: its prefill attention computes a partly filled block of query positions whole
-        # (``layout.StepLayout``), so a chunk's ragged end would be paid for twice, by its step and the next
-        # (measured: a 1024-token prompt in 37-token chunks took 1.2x the prefill time, in 256-token ones 1.02x)
+        # the lean model's KEY_BLOCK where its prefill attention computes a partly filled block of query positions
+        # whole (``attention.MatmulAttention``), so a chunk's ragged end would be paid for twice, by its step and the
+        # next (measured: a 1024-token prompt in 37-token chunks took 1.2x the prefill time, in 256-token ones
+        # 1.02x); 1 where the attention kernel runs
         self.chunk_align = 1
         self.match_prefix = match_prefix   # sets a new sequence's num_cached from a cached prefix
         self.space = Unbounded()
@@ -83,28 +91,47 @@ class Scheduler:
         chunks: dict[Sequence, int] = {}
         work = [s for s in self.running if s.is_prefilling] + list(self.preempted) + list(self.waiting)
         oldest = min(work, key=_order, default=None)
-        blocked = False
-        # the oldest piece of work first, with a quarter of the budget; then everything cheapest first
-        for item, share in [(oldest, max(budget // 4, 1))] + [(item, budget) for item in sorted(work, key=_cost)]:
-            if item is None or budget <= 1:
-                continue
-            sequence = item if isinstance(item, Sequence) else (item.sequences[0] if item.sequences else None)
-            if sequence is None or sequence not in self.running:
-                if blocked:
-                    continue
-                sequence = self._admit(item)
-                if sequence is None:
-                    blocked = True  # nothing newer is admitted past the oldest work that does not fit
-                    continue
-                budget -= 1  # its decode row (a placeholder while it prefills)
-            done = sequence.num_cached + chunks.get(sequence, 0)
-            length = _aligned(done, self._chunk_length(done, min(sequence.prefill_target - done, share, budget)),
-                              sequence.prefill_target, self.chunk_align)
-            if length > 0:
-                chunks[sequence] = chunks.get(sequence, 0) + length
-                budget -= self._chunk_cost(done, length)
+        cheapest = sorted(work, key=_cost)
+        step = _Step(budget)
+        # the oldest piece of work first, with a quarter of the budget; then, cheapest first, the prompts that
+        # complete in this step; then unfinished chunks, unless a new request gets its first token from this step
+        self._add(step, oldest, max(budget // 4, 1), chunks)
+        for item in cheapest:
+            self._add(step, item, step.budget, chunks, whole=True)
+        if not step.first_token:
+            for item in cheapest:
+                self._add(step, item, step.budget, chunks)
         prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
         return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
+
+    def _add(self, step: _Step, item: RequestState | Sequence | None, share: int, chunks: dict[Sequence, int],
+             whole: bool = False) -> None:
+        """A chunk of ``item``'s prefill of at most ``share`` (``whole``: only one that completes its prompt),
+        admitting it first if it waits."""
+        if item is None or step.budget <= 1:
+            return
+        sequence = item if isinstance(item, Sequence) else (item.sequences[0] if item.sequences else None)
+        if sequence is None or sequence not in self.running:
+            if step.blocked or (whole and self._chunk_cost(0, _cost(item)[0]) > step.budget - 1):
+                return
+            sequence = self._admit(item)
+            if sequence is None:
+                step.blocked = True  # nothing newer is admitted past the oldest work that does not fit
+                return
+            step.budget -= 1  # its decode row (a placeholder while it prefills)
+            step.admitted.append(sequence)
+        done = sequence.num_cached + chunks.get(sequence, 0)
+        left, most = sequence.prefill_target - done, min(share, step.budget)
+        if self._chunk_cost(done, left) <= most:
+            length = left
+        elif whole:
+            return
+        else:
+            length = _aligned(done, self._chunk_length(done, most), sequence.prefill_target, self.chunk_align)
+        if length > 0:
+            chunks[sequence] = chunks.get(sequence, 0) + length
+            step.budget -= self._chunk_cost(done, length)
+            step.first_token |= length == left and sequence in step.admitted
 
     def _chunk_cost(self, start: int, length: int) -> int:
         """A prefill chunk's cost in token budget: its tokens, and its attention over the keys before it counted
@@ -221,6 +248,16 @@ class Scheduler:
             (taken if is_taken(state) else kept).append(state)
         self.waiting = kept
         return taken
+
+
+@dataclass(slots=True)
+class _Step:
+    """What ``Scheduler.schedule`` has left of a step while it fills it."""
+
+    budget: int
+    admitted: list[Sequence] = field(default_factory=list)  # sequences that joined the batch in this step
+    blocked: bool = False       # the oldest waiting work did not fit: nothing newer is admitted
+    first_token: bool = False   # a sequence admitted in this step completes its prompt in it
 
 
 def _choices(sequence: Sequence, waiting: bool = False) -> int:

@@ -2,8 +2,8 @@
 
 Why not the transformers module: its forward builds masks, caches and position tensors in Python on every call,
 and on a 2-core CPU that per-op overhead dominates a small model's decode step. Here a step is one pass over a
-flat batch of tokens: every Linear runs once on all rows (decode rows and prefill chunks together), and only
-attention is split, batched across all decode rows and per prefill chunk. The KV cache is slot-based
+flat batch of tokens: every Linear runs once on all rows (decode rows and prefill chunks together), and attention
+reads each row's own keys (``attention``: one kernel call a layer on CPU). The KV cache is slot-based
 (``kv_cache``), so sequences join and leave without touching the others. What each family's checkpoint becomes is
 decided at load (``family``); the layout of a step's rows and what they attend is ``layout``'s.
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from handler.engine.model.attention import pick
 from handler.engine.model.family import (
     FamilySpec,
     LayerBuilder,
@@ -28,7 +29,7 @@ from handler.engine.model.family import (
     shape_from_config,
 )
 from handler.engine.model.kernels import fused_rms_norm
-from handler.engine.model.kv_cache import KEY_BLOCK, KVCache
+from handler.engine.model.kv_cache import KVCache
 from handler.engine.model.layout import KVStore, StepLayout, with_window
 from handler.engine.model.linear import Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
@@ -62,6 +63,9 @@ class DecoderModel:
         self.lm_head = build.lm_head(state)
         self.cos, self.sin = build.rope(config)
         self.attention_tokens = attention_tokens(config, self.shape)
+        # a step's attention: our kernel on CPU where it runs, else torch's matmuls (``attention``)
+        self.attention = pick(self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, device, dtype,
+                              self.spec.attn_softcap, self.spec.window)
         # RMSNorm: on CPU in fp32 our kernel's one call, the same bits as torch's seven ops (``kernels.rms_norm.c``)
         fused = fused_rms_norm() if device.type == "cpu" and dtype == torch.float32 else None
         self.norm = fused or _rms_norm
@@ -92,7 +96,7 @@ class DecoderModel:
         # [rows, 1, head_dim] (gemma: [2, rows, 1, head_dim], full-attention and sliding layers' tables)
         cos, sin = self.cos[..., positions, :].unsqueeze(-2), self.sin[..., positions, :].unsqueeze(-2)
         if self.spec.window is not None and layout.window != self.spec.window:
-            with_window(layout, self.spec.window, self.shape.num_heads // self.shape.num_kv_heads)
+            with_window(layout, self.spec.window)
         x = self._blocks(x, cos, sin, layout, cache)
         x = self.norm(x[logit_rows], self.final_norm, self.shape.rms_norm_eps)
         if hidden:
@@ -107,7 +111,7 @@ class DecoderModel:
         """The llama block; gpt_oss's layers add sinks to attention and alternate sliding and full attention."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            attention = self._attention(*layer.split(self._normed(layer.qkv, x, layer.input_norm), cos, sin), index,
+            attention = self.attention(*layer.split(self._normed(layer.qkv, x, layer.input_norm), cos, sin), index,
                                         layout, cache, sliding=layer.sliding, sinks=layer.sinks)
             x = _plus(layer.out, attention, x)
             mlp = layer.mlp
@@ -133,7 +137,7 @@ class DecoderModel:
         """olmo2: each sublayer reads the residual stream itself and its output is normed before the add."""
         eps = self.shape.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            h = layer.out(self._attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
+            h = layer.out(self.attention(*layer.split(layer.qkv(x), cos, sin), index, layout, cache))
             x = x + self.norm(h, layer.attn_out_norm, eps)
             x = x + self.norm(layer.mlp(x), layer.mlp_out_norm, eps)
         return x
@@ -146,71 +150,12 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             kind = int(layer.sliding)
             h = self.norm(x, layer.input_norm, eps)
-            h = layer.out(self._attention(*layer.split(layer.qkv(h), cos[kind], sin[kind]), index, layout, cache,
+            h = layer.out(self.attention(*layer.split(layer.qkv(h), cos[kind], sin[kind]), index, layout, cache,
                                           sliding=layer.sliding))
             x = x + self.norm(h, layer.attn_out_norm, eps)
             h = layer.mlp(self.norm(x, layer.post_norm, eps))
             x = x + self.norm(h, layer.mlp_out_norm, eps)
         return x
-
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, layout: StepLayout,
-                   cache: KVStore, sliding: bool = False,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.shape
-        rows = q.shape[0]
-        decode_masks = layout.window_decode_masks if sliding else layout.decode_masks
-        prefill_masks = layout.window_prefill_masks if sliding else layout.prefill_masks
-        if len(decode_masks) == 1 and not prefill_masks:  # one decode group is every row: no gathering copy
-            (group, _count), = layout.decode_groups
-            cache.write_decode(layer, group, k, v, layout.decode_positions)
-            return self._decode_attention(q, layer, group, decode_masks[0], cache, sinks)
-        out = torch.empty(rows, s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
-        row = 0
-        for (group, count), mask in zip(layout.decode_groups, decode_masks, strict=True):
-            rows = slice(row, row + count)
-            cache.write_decode(layer, group, k[rows], v[rows], layout.decode_positions[rows])
-            out[rows] = self._decode_attention(q[rows], layer, group, mask, cache, sinks)
-            row += count
-        for (slot, start, length), mask in zip(layout.prefill_blocks, prefill_masks, strict=True):
-            block = slice(row, row + length)
-            cache.write_prefill(layer, slot, start, k[block], v[block])
-            out[block] = self._prefill_attention(q[block], layer, slot, start, mask, cache, sinks)
-            row += length
-        return out
-
-    def _decode_attention(self, q: torch.Tensor, layer: int, group: object, mask: torch.Tensor,
-                          cache: KVStore, sinks: torch.Tensor | None) -> torch.Tensor:
-        n, s = q.shape[0], self.shape
-        groups = s.num_heads // s.num_kv_heads
-        keys, values = cache.decode_view(layer, group, mask.shape[-1])  # [n, kv_heads, L, head_dim]
-        # The query heads that share a KV head become that head's "query rows": [n, kv_heads, groups, head_dim]
-        q = q.view(n, s.num_kv_heads, groups, s.head_dim)
-        if n > 1 and keys.stride(0) == 0:
-            # one slot's keys read by several rows (speculative decoding's drafts, ``KVStore.decode_view``): row by
-            # row, as each position's lone decode row is computed (a batched matmul over the stride-0 view rounds
-            # differently, measured: 4e-6)
-            out = torch.cat([_attend(q[i:i + 1], keys[i:i + 1], values[i:i + 1], mask[i:i + 1], self.spec.attn_softcap,
-                                     sinks) for i in range(n)])
-        else:
-            out = _attend(q, keys, values, mask, self.spec.attn_softcap, sinks)
-        return out.reshape(n, s.num_heads * s.head_dim)
-
-    def _prefill_attention(self, q: torch.Tensor, layer: int, slot: object, start: int, mask: torch.Tensor,
-                           cache: KVStore, sinks: torch.Tensor | None) -> torch.Tensor:
-        """One prefill block's queries (positions ``start..start+t``, inside one KEY_BLOCK) as rows ``start %
-        KEY_BLOCK..`` of the whole KEY_BLOCK's, the other rows zero (``StepLayout``: why)."""
-        t, s = q.shape[0], self.shape
-        groups = s.num_heads // s.num_kv_heads
-        keys, values = cache.prefill_view(layer, slot, mask.shape[-1])  # [1, kv_heads, length, head_dim]
-        offset = start % KEY_BLOCK
-        rows = q.new_zeros(s.num_kv_heads, groups, KEY_BLOCK, s.head_dim)
-        rows[:, :, offset:offset + t] = q.view(t, s.num_kv_heads, groups, s.head_dim).permute(1, 2, 0, 3)
-        if sinks is not None:  # one per query row: [kv_heads, groups * KEY_BLOCK, 1], (group, t) order
-            sinks = sinks.expand(-1, -1, KEY_BLOCK).reshape(s.num_kv_heads, groups * KEY_BLOCK, 1)
-        out = _attend(rows.view(1, s.num_kv_heads, groups * KEY_BLOCK, s.head_dim), keys, values, mask,
-                      self.spec.attn_softcap, sinks)
-        out = out.view(s.num_kv_heads, groups, KEY_BLOCK, s.head_dim)[:, :, offset:offset + t]
-        return out.permute(2, 0, 1, 3).reshape(t, -1)
 
 
 def _plus(linear: object, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -224,29 +169,3 @@ def _plus(linear: object, x: torch.Tensor, residual: torch.Tensor) -> torch.Tens
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q k^T + mask) v`` (q already carries 1/sqrt(head_dim)); ``mask`` is 0 where a query may attend,
-    -inf elsewhere. With ``softcap`` (gemma2) the scores are ``tanh(q k^T) * softcap`` before the mask, q carrying
-    ``1 / softcap`` too: torch's tanh computes every element alike wherever it falls in a vector (measured: the
-    same bits alone, at any offset or in any batch), so capped rows stay independent of their neighbours. With
-    ``sinks`` (gpt_oss; one logit per query row, broadcast against ``scores[..., :1]``) each row's softmax runs
-    over its scores and its sink, whose probability is dropped: the sink takes a share of the weight, no value.
-
-    On CPU as two matmuls and a row softmax rather than SDPA: the CPU flash kernel divides its work between threads
-    by the size of the batch, so a decode row's result changed with the number of rows beside it (measured with 2
-    threads: 1 row against 3 differed by 6e-8, which int8 turned into a different logprob 12 tokens later). Here
-    no sum is split by the batch: the score dot products run over head_dim, each softmax over one row, and the
-    value sums over the row's keys (whole KEY_BLOCKs, the masked ones adding exact zeros)."""
-    if q.device.type != "cpu" and softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=1.0)
-    scores = torch.matmul(q, keys.transpose(-1, -2))
-    if softcap is not None:
-        scores = torch.tanh(scores).mul_(softcap)
-    scores = scores.add_(mask)
-    if sinks is None:
-        return torch.matmul(torch.softmax(scores, dim=-1), values)
-    scores = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
-    return torch.matmul(torch.softmax(scores, dim=-1)[..., :-1], values)

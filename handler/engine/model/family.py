@@ -42,7 +42,7 @@ class Layer:
     is the feed-forward sublayer: a gated MLP, or an MoE layer's router and experts (``moe``). The gemma families
     have all four norms (``post_norm`` before the MLP, the two ``*_out_norm`` on the sublayers' outputs);
     ``sliding``: the layer attends within the model's sliding window. ``sinks``: gpt_oss's attention sinks, one
-    logit per query head ``[kv_heads, groups, 1]`` (``_attend``)."""
+    logit per query head ``[kv_heads, groups, 1]`` (``attention.attend``)."""
 
     input_norm: torch.Tensor | None
     qkv: DenseLinear | Int8DynamicLinear
@@ -201,7 +201,7 @@ class LayerBuilder:
         scale = config["attention_multiplier"] if family == "granite" else s.head_dim**-0.5
         if self.spec.gemma:
             scale = config["query_pre_attn_scalar"] ** -0.5
-        if self.spec.attn_softcap:  # the scores divided by the cap before tanh (``_attend``): folded in with the scale
+        if self.spec.attn_softcap:  # the scores divided by the cap before tanh (``attend``): folded in with the scale
             scale /= self.spec.attn_softcap
         q_norms = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")
         q_norm = state[f"{p}self_attn.q_norm.weight"] if family in q_norms else None

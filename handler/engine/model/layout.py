@@ -6,7 +6,7 @@ and values live in: the dense ``kv_cache.KVCache``, or the runner's budgeted ``K
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,94 +34,114 @@ class StepLayout:
 
     Rows ``[0, num_decode)`` are one token per decoding slot, in ``decode_groups``: runs of slots the cache reads
     as one batch, ``(handle, count)`` (the handle is the cache's: ``(first_slot, count)`` for a dense
-    ``KVCache``); then come the prefill chunks, each ``(slot, start, length)`` with its tokens at consecutive
-    positions, cut into ``prefill_blocks`` that never cross a multiple of KEY_BLOCK. ``decode_masks`` are one
-    ``[count, 1, 1, L]`` per group (L: the group's longest row, in whole KEY_BLOCKs), the ``prefill_masks`` one
-    ``[1, 1, G*KEY_BLOCK, K]`` per block (G query heads share a KV head), K the block's end rounded up to whole
-    KEY_BLOCKs; its rows are every position of the KEY_BLOCK the block lies in, whichever of them the block holds.
+    ``KVCache``); then come the prefill chunks, ``(slot, start, length)`` each with its tokens at consecutive
+    positions, in ``prefill_chunks`` and cut into ``prefill_blocks`` that never cross a multiple of KEY_BLOCK.
 
-    Why blocks: a query's attention is computed over exactly the keys its own position decides (whole blocks up to
-    its block's end), so it is the same number whether its prompt is prefilled whole, in chunks, or after a cached
-    prefix, and whatever else is in the step (measured: keys read up to the chunk's end made a prefix's rows
-    differ between a 24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart). Why whole
-    KEY_BLOCKs of query rows: a CPU GEMM's result for one row can depend on how many rows are beside it and where
-    the row falls among them (MKL's sgemm, measured on an Intel AVX-512 machine held to AVX2 as Intel AVX2 CPUs run
-    it: q k^T of a row differed between 39 and 111 rows, and a 37-token prompt's last 13 logits rows between
-    whole and after a 24-token prefix). The decoder computes each block as all KEY_BLOCK positions (the ones it
-    lacks as zero rows) with each query at row ``position % KEY_BLOCK``: every position's attention is the same
-    shapes at the same row however the prompt was cut.
+    What a row's attention reads is decided by its position alone: keys ``0..p`` (a sliding layer's ``p - window +
+    1..p``), so it is the same number whether its prompt is prefilled whole, in chunks, or after a cached prefix, and
+    whatever else is in the step (measured: keys read up to the chunk's end made a prefix's rows differ between a
+    24- and a 37-token prefill on AVX-512, and int8 turned that into logits 1 apart). The attention kernel
+    (``attention.KernelAttention``) reads exactly those keys and needs nothing more from the layout.
+
+    The matmul path (``attention.MatmulAttention``: on CUDA, or where the kernel does not run) reads keys in whole
+    KEY_BLOCKs under masks, built on first use: ``decode_masks`` one ``[count, 1, 1, L]`` per group (L: the group's
+    longest row, in whole KEY_BLOCKs), ``prefill_masks`` one ``[1, 1, G*KEY_BLOCK, K]`` per block (G query heads
+    share a KV head), K the block's end rounded up to whole KEY_BLOCKs, its rows every position of the KEY_BLOCK the
+    block lies in, whichever of them the block holds. Why whole KEY_BLOCKs of query rows: a CPU GEMM's result for
+    one row can depend on how many rows are beside it and where the row falls among them (MKL's sgemm, measured on
+    an Intel AVX-512 machine held to AVX2 as Intel AVX2 CPUs run it: q k^T of a row differed between 39 and 111
+    rows, and a 37-token prompt's last 13 logits rows between whole and after a 24-token prefix). That path computes
+    each block as all KEY_BLOCK positions (the ones it lacks as zero rows) with each query at row ``position %
+    KEY_BLOCK``: every position's attention is the same shapes at the same row however the prompt was cut.
 
     ``window_decode_masks`` / ``window_prefill_masks``: the same shapes for a model's sliding-window layers (a query
-    at ``p`` sees keys in ``(p - window, p]``), None until a model with such layers needs them (``with_window``).
+    at ``p`` sees keys in ``(p - window, p]``), for a layout that has a ``window`` (``with_window``).
     """
 
     num_decode: int
     decode_positions: torch.Tensor
     decode_groups: list[tuple[object, int]]
-    decode_masks: list[torch.Tensor]
+    decode_lengths: list[int]          # keys each decode group's view reads: its longest row's, in whole KEY_BLOCKs
+    prefill_chunks: list[tuple[object, int, int]]
     prefill_blocks: list[tuple[object, int, int]]
-    prefill_masks: list[torch.Tensor]
+    groups: int                        # query heads per KV head
     window: int | None = None
-    window_decode_masks: list[torch.Tensor] | None = None
-    window_prefill_masks: list[torch.Tensor] | None = None
+    _masks: dict = field(default_factory=dict)   # window (None: full) -> (decode masks, prefill masks), built once
+
+    @property
+    def decode_masks(self) -> list[torch.Tensor]:
+        return self._built(None)[0]
+
+    @property
+    def prefill_masks(self) -> list[torch.Tensor]:
+        return self._built(None)[1]
+
+    @property
+    def window_decode_masks(self) -> list[torch.Tensor] | None:
+        return None if self.window is None else self._built(self.window)[0]
+
+    @property
+    def window_prefill_masks(self) -> list[torch.Tensor] | None:
+        return None if self.window is None else self._built(self.window)[1]
+
+    def _built(self, window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        masks = self._masks.get(window)
+        if masks is None:
+            masks = self._masks[window] = _masks(self, window)
+        return masks
 
 
 def build_layout(decode_positions: list[int], prefill_chunks: list[tuple[object, int, int]], groups: int,
                  device: torch.device, decode_groups: list[tuple[object, int]] | None = None,
                  window: int | None = None) -> StepLayout:
-    """Positions tensor and attention masks (0 where a query may attend, -inf elsewhere) for one step. Each decode
-    group's attention reads its longest row's keys rounded up to whole KEY_BLOCKs (the rest are masked out).
-    Without ``decode_groups`` the decode rows are slots ``0..n-1`` of a dense ``KVCache``. ``window``: also the
-    masks of sliding-window layers (else the model adds them when it has such layers, ``with_window``)."""
+    """The layout of one step (``StepLayout``): each decode group's view reads its longest row's keys rounded up to
+    whole KEY_BLOCKs. Without ``decode_groups`` the decode rows are slots ``0..n-1`` of a dense ``KVCache``.
+    ``window``: the model's sliding window, where it has sliding layers (else the model sets it, ``with_window``)."""
     num_decode = len(decode_positions)
     positions = torch.tensor(decode_positions, dtype=torch.long, device=device)
     if decode_groups is None:
         decode_groups = [((0, num_decode), num_decode)] if num_decode else []
+    lengths, row = [], 0
+    for _handle, count in decode_groups:
+        lengths.append(whole_blocks(max(decode_positions[row:row + count]) + 1))
+        row += count
     blocks = [block for chunk in prefill_chunks for block in _key_blocks(*chunk)]
-    decode_masks, masks = _masks(decode_positions, positions, decode_groups, blocks, groups, None)
-    layout = StepLayout(num_decode, positions, decode_groups, decode_masks, blocks, masks)
-    return layout if window is None else with_window(layout, window, groups)
+    return StepLayout(num_decode, positions, decode_groups, lengths, list(prefill_chunks), blocks, groups, window)
 
 
 def decode_layout(positions: torch.Tensor, handle: object, length: int, groups: int,
                   window: int | None = None) -> StepLayout:
     """The layout of a step whose rows all decode into one group (``handle``), each reading ``length`` keys (whole
-    KEY_BLOCKs, at least its own position + 1): ``build_layout``'s, computed from the positions on their device
-    with no value read back to the host, so a CUDA graph can record it (``runners.cuda_graphs``). ``window``: the
-    sliding-window masks too (the model's, else the model would add them itself)."""
+    KEY_BLOCKs, at least its own position + 1): ``build_layout``'s, with its masks computed from the positions on
+    their device and no value read back to the host, so a CUDA graph can record it (``runners.cuda_graphs``).
+    ``window``: the sliding-window masks too (the model's, else the model would add them itself)."""
     count = positions.shape[0]
     keys = torch.arange(length, device=positions.device)
-    masks = [_additive(_allowed(keys, positions, None)).view(count, 1, 1, -1)]
-    layout = StepLayout(count, positions, [(handle, count)], masks, [], [])
-    if window is not None:
-        layout.window_decode_masks = [_additive(_allowed(keys, positions, window)).view(count, 1, 1, -1)]
-        layout.window_prefill_masks, layout.window = [], window
+    layout = StepLayout(count, positions, [(handle, count)], [length], [], [], groups, window)
+    for size in {None, window}:
+        layout._masks[size] = ([_additive(_allowed(keys, positions, size)).view(count, 1, 1, -1)], [])
     return layout
 
 
-def with_window(layout: StepLayout, window: int, groups: int) -> StepLayout:
-    """Adds the masks of sliding-window layers to ``layout``: a query at ``p`` sees keys in ``(p - window, p]``
-    (transformers' ``sliding_window_overlay``), over the same whole KEY_BLOCKs as the full masks."""
-    positions = layout.decode_positions
-    layout.window_decode_masks, layout.window_prefill_masks = _masks(
-        positions.tolist(), positions, layout.decode_groups, layout.prefill_blocks, groups, window)
+def with_window(layout: StepLayout, window: int) -> StepLayout:
+    """``layout`` for a model whose sliding layers see keys in ``(p - window, p]`` (transformers'
+    ``sliding_window_overlay``), over the same whole KEY_BLOCKs as the full masks."""
     layout.window = window
     return layout
 
 
-def _masks(decode_positions: list[int], positions: torch.Tensor, decode_groups: list[tuple[object, int]],
-           blocks: list[tuple[object, int, int]], groups: int,
-           window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _masks(layout: StepLayout, window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The decode groups' masks and the prefill blocks' (``StepLayout``), causal and, with ``window``, within it."""
+    positions = layout.decode_positions
     device = positions.device
     decode_masks, row = [], 0
-    for _handle, count in decode_groups:
-        rows = positions[row:row + count]
-        keys = torch.arange(whole_blocks(max(decode_positions[row:row + count]) + 1), device=device)
-        decode_masks.append(_additive(_allowed(keys, rows, window)).view(count, 1, 1, -1))
+    for (_handle, count), length in zip(layout.decode_groups, layout.decode_lengths, strict=True):
+        keys = torch.arange(length, device=device)
+        decode_masks.append(_additive(_allowed(keys, positions[row:row + count], window)).view(count, 1, 1, -1))
         row += count
     masks = []
-    for _slot, start, length in blocks:  # the whole KEY_BLOCK of query positions the block lies in (StepLayout)
+    groups = layout.groups
+    for _slot, start, length in layout.prefill_blocks:  # the whole KEY_BLOCK of query positions the block lies in
         first = start - start % KEY_BLOCK
         query_pos = torch.arange(first, first + KEY_BLOCK, device=device).repeat(groups)  # (group, t) order
         keys = torch.arange(whole_blocks(start + length), device=device)

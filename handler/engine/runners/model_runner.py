@@ -12,7 +12,6 @@ from handler.engine.core import prompt_logprobs
 from handler.engine.core.pooling import pool
 from handler.engine.core.request import Sequence
 from handler.engine.model.decoder import DecoderModel
-from handler.engine.model.kv_cache import KEY_BLOCK
 from handler.engine.model.layout import build_layout
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import StepOutput, StepPlan, advance
@@ -38,7 +37,9 @@ class ModelRunner:
         self.space = KVSpace(shape.num_layers, shape.num_kv_heads, shape.head_dim, model.dtype, model.device,
                              budget=budget, max_len=max_len, max_slots=max_slots, prefix_caching=prefix_caching)
         self.attention_tokens = model.attention_tokens
-        self.prefill_align = KEY_BLOCK  # prefill chunks end on whole blocks where they can (``Scheduler.chunk_align``)
+        # prefill chunks end on whole blocks where they can (``Scheduler.chunk_align``) when attention computes a
+        # partly filled block of query positions whole (the matmul path); the kernel computes only the rows it has
+        self.prefill_align = model.attention.query_block
         self.groups = model.shape.num_heads // model.shape.num_kv_heads
         self.prefix_ids: tuple[int, ...] = ()
         self.prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,6 +1,7 @@
 """The lean engine's own CPU kernels: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``),
 RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode
-step's KV writes (``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``).
+step's KV writes (``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``); a step's
+attention (``attention.c``) is bound by ``handler.engine.model.attention``.
 
 Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
 more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
