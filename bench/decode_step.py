@@ -26,12 +26,12 @@ def probe(threads: int, profile: bool) -> None:
 
     from handler.engine.model.decoder import DecoderModel
     from handler.engine.model.layout import build_layout
-    from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+    from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 
     torch.set_num_threads(threads)
     model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
     ids = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).encode(CALIBRATION_TEXT).ids
-    smooth_and_quantize(model, calibrate(model, ids), SPLIT)
+    smooth_and_quantize(model, calibrate(model, ids))
     cache = model.new_cache(1, 512)
     cache.ensure(1, 512)
     groups = model.shape.num_heads // model.shape.num_kv_heads
@@ -55,7 +55,7 @@ def probe(threads: int, profile: bool) -> None:
                "lm_head": model.lm_head}
     parts = []
     for name, linear in linears.items():
-        rows = torch.randn(1, linear.int8_weight()[0].shape[1]) if name == "down" else x
+        rows = torch.randn(1, linear.in_features) if name == "down" else x
         for _ in range(20):
             linear(rows)
         start = time.perf_counter()

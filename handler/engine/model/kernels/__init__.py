@@ -30,23 +30,23 @@ from handler.engine.model.kernels.build import build
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # int8_gemv.c's MAX_ROWS
-# Up to how many rows a Linear takes the kernel: it reads the weights once for all rows, and since its channels are
-# reduced and finished four at a time it beats fbgemm's at every row count it takes (measured, 20 different 576 ->
-# 3072 projections in turn as a step reads them, 2 threads, AVX2: 1 row 125 us against 314, 4 rows 195 against 401,
-# 8 rows 419 against 642; 1536 -> 576: 79 / 220, 130 / 272, 236 / 380). It was 3 when fbgemm won from 4 rows.
-KERNEL_ROWS = MAX_ROWS
+GROUP = 16  # int8_linear.c's GROUP: output channels per packed group of weights (``linear.pack``)
+# Up to how many rows a Linear also takes the norm before it and the residual add after it in its kernel call
+# (``Int8DynamicLinear.fused``: a decode step's rows; a prefill chunk's norms are a small part of its time)
+FUSED_ROWS = 8
 
 
 class Int8Kernel:
-    """The loaded library: ``split_linear`` for up to ``MAX_ROWS`` rows, on torch's OpenMP threads."""
+    """The loaded library: ``bind``'s int8 Linear for any number of rows, on torch's OpenMP threads."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         pointer, integer = ctypes.c_void_p, ctypes.c_int
         # no argtypes: ``bind`` passes its pointers as prebuilt c_void_p and its sizes as ints, so ctypes converts
         # nothing per call
-        self.lib.int8_split_linear.restype = integer
+        self.lib.int8_linear.restype = integer
+        self.lib.int8_scratch_bytes.argtypes = [integer, integer, integer]
+        self.lib.int8_scratch_bytes.restype = ctypes.c_int64
         self.lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, pointer, ctypes.c_float, integer,
                                            pointer]
         self.lib.rms_norm_rows.restype = integer
@@ -63,57 +63,59 @@ class Int8Kernel:
         self.lib.kv_write_rows.restype = integer
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
-        self.codes, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
-        self._codes, self._normed = ctypes.c_void_p(self.codes.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
+        self.scratch, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+        self._scratch, self._normed = ctypes.c_void_p(self.scratch.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
-        """Sum with AVX-512 VNNI where the CPU has it (``int8_gemv.c``: the same integers, so the same bits), or
+        """Sum with AVX-512 VNNI where the CPU has it (``int8_linear.c``: the same integers, so the same bits), or
         with AVX2 (``LLM_INT8_KERNEL_ISA=avx2`` at start; tests switch both ways); whether VNNI is taken now."""
         self.vnni = bool(self.lib.int8_use_vnni(int(wanted)))
         return self.vnni
 
-    def split_linear(self, x: torch.Tensor, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor,
-                     row_sums: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` ``[rows, k]`` fp32 contiguous, ``rows <= MAX_ROWS``; the weights as ``Int8DynamicLinear`` keeps
-        them for this kernel (one call of ``bind``'s function)."""
-        return self.bind(weight, col_sums, scales, row_sums, bias)(x)
+    def bind(self, packed: torch.Tensor, in_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+             block: int) -> Callable[..., torch.Tensor]:
+        """The int8 Linear of these weights (``linear.pack``'s layout, ``scales`` fp32 ``[out]``, ``bias`` fp32 or
+        None; activation blocks of ``block`` inputs) as a function of ``x`` (``[rows, in]`` fp32, any rows): their
+        pointers are made once, so a call costs ~3 us of Python and ctypes. The caller keeps the tensors alive and
+        unchanged for as long as it calls it.
 
-    def bind(self, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
-             bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-        """``split_linear`` of these weights as a function of ``x`` alone (1 to ``MAX_ROWS`` rows): their pointers
-        are made once, so a call costs ~3 us of Python and ctypes instead of ~7 (the embedded model's step makes
-        121). The caller keeps the tensors alive and unchanged for as long as it calls it.
-
-        The function also takes ``residual`` (``[rows, n]`` fp32 contiguous: ``residual + linear(x)``, as torch's
+        The function also takes ``residual`` (``[rows, out]`` fp32 contiguous: ``residual + linear(x)``, as torch's
         add after it) and ``norm`` (``(weight, eps, lanes)``: ``linear(rms_norm(x))``, the norm as ``rms_norm.c``
-        computes it with those lanes), each in the same call (``Int8DynamicLinear.fused``)."""
-        n, k = weight.shape
-        self._room_for(k)
+        computes it with those lanes; up to ``FUSED_ROWS`` rows), each in the same call
+        (``Int8DynamicLinear.fused``)."""
+        n, k = scales.shape[0], in_features
         pointer = ctypes.c_void_p
-        fixed = (pointer(weight.data_ptr()), pointer(col_sums.data_ptr()), pointer(scales.data_ptr()),
-                 pointer(row_sums.data_ptr()), None if bias is None else pointer(bias.data_ptr()), n)
-        call, empty, no_norm = self.lib.int8_split_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
+        fixed = (pointer(packed.data_ptr()), pointer(scales.data_ptr()),
+                 None if bias is None else pointer(bias.data_ptr()), n, block)
+        call, empty, no_norm = self.lib.int8_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
+        room = self._room_for
 
         def linear(x: torch.Tensor, residual: torch.Tensor | None = None,
                    norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
             x = x.contiguous()
             rows = x.shape[0]
+            scratch = room(rows, k, block, norm is not None)
             y = empty(rows, n)
             norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
-            call(pointer(x.data_ptr()), rows, k, *fixed, self._codes, pointer(y.data_ptr()),
-                 None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed)
+            if call(pointer(x.data_ptr()), rows, k, *fixed, scratch, pointer(y.data_ptr()),
+                    None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed) != 0:
+                raise RuntimeError(f"int8 kernel refused {rows} rows of {k} inputs (block {block})")
             return y
 
         return linear
 
-    def _room_for(self, k: int) -> None:
-        """The codes and norm scratch hold ``MAX_ROWS`` rows of width ``k`` (grown, never shrunk; one per process)."""
-        if self.codes.numel() < 2 * MAX_ROWS * k:
-            self.codes = torch.empty(2 * MAX_ROWS * k, dtype=torch.uint8)
-            self._codes = ctypes.c_void_p(self.codes.data_ptr())
-            self.normed = torch.empty(MAX_ROWS * k)
+    def _room_for(self, rows: int, k: int, block: int, normed: bool) -> ctypes.c_void_p:
+        """The scratch for ``rows`` rows of width ``k`` (the codes, and the normed rows where the norm is fused);
+        grown, never shrunk; one per process."""
+        need = self.lib.int8_scratch_bytes(rows, k, block)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
+            self._scratch = ctypes.c_void_p(self.scratch.data_ptr())
+        if normed and self.normed.numel() < rows * k:
+            self.normed = torch.empty(rows * k)
             self._normed = ctypes.c_void_p(self.normed.data_ptr())
+        return self._scratch
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
