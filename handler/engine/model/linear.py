@@ -7,9 +7,11 @@ import torch.nn.functional as F
 
 from handler.engine.model.kernels import FUSED_ROWS, GROUP, NORM_WIDTHS, cpu_flags, int8_kernel
 
-# Inputs per activation block: each row's activations are quantised to int8 per block of this many, with one scale
-# per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
-ACTIVATION_BLOCK = 32
+# Inputs per activation block: each row's activations are quantised to 16-bit codes per block of this many, with one
+# scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
+ACTIVATION_BLOCK = 128
+CODE_MAX = 32767.0  # int8_linear.c's CODE_MAX: activation codes lie in [-CODE_MAX, CODE_MAX]
+MAX_BLOCK = 512  # int8_linear.c's MAX_BLOCK: a block's int32 sums stay exact (512 * 32767 * 127 < 2^31)
 
 
 class DenseLinear:
@@ -61,8 +63,8 @@ class Int8DynamicLinear:
     def _setup_packed(self, packed: torch.Tensor, in_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
                       block: int | None) -> None:
         self.block = block or ACTIVATION_BLOCK
-        if self.block % 4:
-            raise ValueError(f"an activation block is a multiple of 4 inputs, not {self.block}")
+        if self.block % 2 or not 0 < self.block <= MAX_BLOCK:
+            raise ValueError(f"an activation block is an even number of inputs up to {MAX_BLOCK}, not {self.block}")
         self.packed, self.in_features = packed, in_features
         self.out_features = scales.shape[0]
         self.scales = scales.float().contiguous()
@@ -109,59 +111,49 @@ def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack(int8: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` int8 weights as the kernel reads them: groups of ``GROUP`` output channels, each group's inputs
-    in steps of 4, ``[groups, in4 / 4, GROUP, 4]`` (zero-padded to whole groups and steps)."""
+    in steps of 2, ``[groups, in2 / 2, GROUP, 2]`` (zero-padded to whole groups and steps)."""
     out_features, in_features = int8.shape
-    groups, in4 = -(-out_features // GROUP), -(-in_features // 4) * 4
+    groups, in2 = -(-out_features // GROUP), -(-in_features // 2) * 2
     padded = int8
-    if (groups * GROUP, in4) != (out_features, in_features):
-        padded = int8.new_zeros(groups * GROUP, in4)
+    if (groups * GROUP, in2) != (out_features, in_features):
+        padded = int8.new_zeros(groups * GROUP, in2)
         padded[:out_features, :in_features] = int8
-    return padded.view(groups, GROUP, in4 // 4, 4).transpose(1, 2).contiguous()
+    return padded.view(groups, GROUP, in2 // 2, 2).transpose(1, 2).contiguous()
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """``pack``'s inverse: the ``[out, in]`` int8 weights."""
     groups, steps = packed.shape[:2]
-    return packed.transpose(1, 2).reshape(groups * GROUP, steps * 4)[:out_features, :in_features].contiguous()
+    return packed.transpose(1, 2).reshape(groups * GROUP, steps * 2)[:out_features, :in_features].contiguous()
 
 
 def quantise_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[rows, k]`` fp32 as the kernel quantises it: codes ``[rows, blocks * block]`` (int8, zero past k) and
-    each block's scale ``[rows, blocks]`` (``max|x| / 127``; a code is ``round(x * (1 / scale))``, half to even, 0
-    where the scale is 0)."""
+    """``x`` ``[rows, k]`` fp32 as the kernel quantises it: codes ``[rows, blocks * block]`` (int16 in
+    [-CODE_MAX, CODE_MAX], zero past k) and each block's scale ``[rows, blocks]`` (``max|x| / CODE_MAX``; a code is
+    ``round(x * (1 / scale))``, half to even, 0 where the scale is 0)."""
     rows, k = x.shape
-    block = min(block, -(-k // 4) * 4)  # (one block for the row: no wider)
     blocks = -(-k // block)
     padded = F.pad(x, (0, blocks * block - k)).view(rows, blocks, block)
-    scale = padded.abs().amax(dim=-1) / 127.0  # [rows, blocks]
+    scale = padded.abs().amax(dim=-1) / CODE_MAX  # [rows, blocks]
     inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    codes = torch.round(padded * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
+    codes = torch.round(padded * inverse[..., None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int16)
     return codes.view(rows, blocks * block), scale
 
 
 def reference_linear(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                      block: int) -> torch.Tensor:
-    """The int8 Linear in torch ops, the kernel's bits (``kernels/int8_linear.c``): each block's integer sums from
-    torch's exact int8 GEMM, then the same float steps in the same order. Where the kernel cannot run, and the
-    tests' reference."""
+    """The int8 Linear in torch ops, the kernel's bits (``kernels/int8_linear.c``): each block's integer sums, exact
+    in float64 (every partial sum an integer below 2^53: ``MAX_BLOCK``), then the same float steps in the same
+    order. Where the kernel cannot run, and the tests' reference."""
     rows, k = x.shape
-    block = min(block, -(-k // 4) * 4)
     codes, block_scales = quantise_activations(x, block)
-    weight = F.pad(int8, (0, codes.shape[1] - k))
     acc = torch.zeros(rows, int8.shape[0])
     for b in range(block_scales.shape[1]):
-        sums = _int_mm(codes[:, b * block:(b + 1) * block], weight[:, b * block:(b + 1) * block])
-        acc = acc + block_scales[:, b:b + 1] * sums.float()  # [rows, out]
+        weight = int8[:, b * block:(b + 1) * block].double()
+        sums = codes[:, b * block:b * block + weight.shape[1]].double() @ weight.T  # [rows, out], exact
+        acc = acc + block_scales[:, b:b + 1] * sums.float()
     y = acc * scales
     return y if bias is None else y + bias
-
-
-def _int_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``codes @ weight.T`` exactly in int32 (torch's int8 GEMM; in int64 where its shape rules refuse them)."""
-    try:
-        return torch._int_mm(codes, weight.T)
-    except RuntimeError:
-        return (codes.long() @ weight.long().T).int()
 
 
 def describe_cpu() -> str:

@@ -29,21 +29,23 @@
 #include <string.h>
 
 #define GROUP 16 /* output channels per packed group */
+#define CODE_MAX 32767.0f /* activation codes lie in [-32767, 32767] */
+/* the widest block: its int32 sums stay exact (512 * 32767 * 127 < 2^31) */
+#define MAX_BLOCK 512
 /* how far ahead of the weights being read to ask for them (bytes): the weights stream from memory once per call */
 #define PREFETCH 2048
-#define AVX2_ROWS 4 /* rows per AVX2 tile: 4 accumulators of each kind, 8 channels wide, leave registers for the rest */
-#define VNNI_ROWS 8 /* rows per AVX-512 tile, 16 channels wide */
+#define AVX2_ROWS 4 /* rows per AVX2 tile: 8 int32 accumulators (4 rows, 16 channels) leave registers for the rest */
+#define VNNI_ROWS 8 /* rows per AVX-512 tile */
 
 typedef struct {
-    const int8_t *weight;  /* packed [groups][k4 / 4][16][4] */
+    const int8_t *weight;  /* packed [groups][k2 / 2][16][2] */
     const float *scales;   /* [n]: per-channel weight scales */
     const float *bias;     /* [n] or NULL */
     const float *residual; /* [rows, n] added to the output, or NULL */
-    const int8_t *q;       /* [rows][k4]: the rows' codes, zero past k */
+    const int16_t *q;      /* [rows][k2]: the rows' codes, zero past k */
     const float *d;        /* [rows][blocks]: each block's scale */
-    const int32_t *corr;   /* [rows][blocks]: 128 * each block's sum of codes (what VNNI's unsigned weights add) */
     float *y;              /* [rows, n] */
-    int rows, n, k4, block, blocks;
+    int rows, n, k2, block, blocks;
 } job_t;
 
 /* ---- quantising the rows ------------------------------------------------------------------------------------- */
@@ -63,55 +65,45 @@ static inline float block_absmax(const float *x, int len) {
     return best;
 }
 
-static inline int clamp_code(float v) { return v < -127.0f ? -127 : v > 127.0f ? 127 : (int)v; }
-
-/* One row: codes q[0..k4) (zero past k), and per block its scale d and 128 * its codes' sum. The vector body and the
- * scalar tail are the same IEEE operations (a multiply, round half to even), so the codes are the same either way. */
-static void quantise_row(const float *x, int k, int k4, int block, int8_t *q, float *d, int32_t *corr) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+/* One row: codes q[0..k2) (zero past k), and each block's scale d. The vector body and the scalar tail are the same
+ * IEEE operations (a multiply, round half to even, a clamp), so the codes are the same either way. */
+static void quantise_row(const float *x, int k, int k2, int block, int16_t *q, float *d) {
+    const __m256 low = _mm256_set1_ps(-CODE_MAX), high = _mm256_set1_ps(CODE_MAX);
     for (int b = 0, start = 0; start < k; b++, start += block) {
         const int len = start + block <= k ? block : k - start;
         const float amax = block_absmax(x + start, len);
-        const float scale = amax / 127.0f;
+        const float scale = amax / CODE_MAX;
         const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
         const __m256 inv = _mm256_set1_ps(inverse);
-        int32_t sum = 0;
         int j = 0;
-        __m256i sums = _mm256_setzero_si256();
-        for (; j + 32 <= len; j += 32) {
-            __m256i v[4];
-            for (int i = 0; i < 4; i++) {
+        for (; j + 16 <= len; j += 16) {
+            __m256i v[2];
+            for (int i = 0; i < 2; i++) {
                 __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + start + j + 8 * i), inv);
                 f = _mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 v[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(f, low), high));
-                sums = _mm256_add_epi32(sums, v[i]);
             }
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-            _mm256_storeu_si256((__m256i *)(q + start + j), _mm256_permutevar8x32_epi32(packed, order));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q + start + j), packed);
         }
-        int32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)lanes, sums);
-        for (int i = 0; i < 8; i++) sum += lanes[i];
         for (; j < len; j++) {
-            const int code = clamp_code(nearbyintf(x[start + j] * inverse));
-            q[start + j] = (int8_t)code;
-            sum += code;
+            float f = nearbyintf(x[start + j] * inverse);
+            f = f < -CODE_MAX ? -CODE_MAX : f > CODE_MAX ? CODE_MAX : f;
+            q[start + j] = (int16_t)f;
         }
         d[b] = scale;
-        corr[b] = 128 * sum;
     }
-    for (int j = k; j < k4; j++) q[j] = 0;
+    for (int j = k; j < k2; j++) q[j] = 0;
 }
 
 /* ---- the products -------------------------------------------------------------------------------------------- */
 
 /* Channels c0..c0+width of rows r0..r0+rows from their float sums: y = acc * scale (+ bias) (+ residual before it) */
-static inline void store(const job_t *job, int r0, int rows, int c0, int width, const float *acc, int stride) {
+static inline void store(const job_t *job, int r0, int rows, int c0, int width, const float *acc) {
     for (int r = 0; r < rows; r++) {
         float *y = job->y + (size_t)(r0 + r) * job->n;
         for (int c = 0; c < width; c++) {
-            float v = acc[r * stride + c] * job->scales[c0 + c];
+            float v = acc[r * GROUP + c] * job->scales[c0 + c];
             if (job->bias) v = v + job->bias[c0 + c];
             if (job->residual) v = job->residual[(size_t)(r0 + r) * job->n + c0 + c] + v;
             y[c0 + c] = v;
@@ -119,70 +111,71 @@ static inline void store(const job_t *job, int r0, int rows, int c0, int width, 
     }
 }
 
-/* AVX2: 8 channels (half of group g) of ``rows`` rows; ``rows`` is a constant in each inlined copy, so the
- * accumulators stay in registers. Per step: |w| once, then per row sign(w) * q broadcast, maddubs, madd, add. */
-static inline __attribute__((always_inline)) void tile_avx2(const job_t *job, int g, int half, int r0, const int rows) {
-    const int steps = job->k4 / 4, per_block = job->block / 4;
-    const int8_t *w = job->weight + (size_t)g * steps * 64 + half * 32;
-    const __m256i ones = _mm256_set1_epi16(1);
+/* AVX2: the 16 channels of group g for ``rows`` rows (a constant in each inlined copy, so the accumulators stay in
+ * registers). Per step of 2 inputs: the group's 32 weights widened to int16 once, then per row its 2 codes
+ * broadcast and vpmaddwd (products and pair sums, exact) into 8 int32 lanes per half. */
+static inline __attribute__((always_inline)) void tile_avx2(const job_t *job, int g, int r0, const int rows) {
+    const int steps = job->k2 / 2, per_block = job->block / 2;
+    const int8_t *w = job->weight + (size_t)g * steps * 32;
     const int32_t *q[AVX2_ROWS];
-    for (int r = 0; r < rows; r++) q[r] = (const int32_t *)(job->q + (size_t)(r0 + r) * job->k4);
-    __m256 acc[AVX2_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < rows; r++) q[r] = (const int32_t *)(job->q + (size_t)(r0 + r) * job->k2);
+    __m256 acc[AVX2_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int b = 0, s0 = 0; s0 < steps; b++, s0 += per_block) {
         const int s1 = s0 + per_block < steps ? s0 + per_block : steps;
-        __m256i sums[AVX2_ROWS];
-        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        __m256i sums[AVX2_ROWS][2];
+        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
         for (int s = s0; s < s1; s++) {
-            _mm_prefetch((const char *)(w + (size_t)s * 64) + PREFETCH, _MM_HINT_T0);
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)s * 64));
-            const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+            _mm_prefetch((const char *)(w + (size_t)s * 32) + PREFETCH, _MM_HINT_T0);
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (size_t)s * 32)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (size_t)s * 32 + 16)));
             for (int r = 0; r < rows; r++) {
-                const __m256i codes = _mm256_sign_epi8(_mm256_set1_epi32(q[r][s]), wv);
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, codes), ones));
+                const __m256i codes = _mm256_set1_epi32(q[r][s]);
+                sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(w0, codes));
+                sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(w1, codes));
             }
         }
         for (int r = 0; r < rows; r++) {
             const __m256 scale = _mm256_set1_ps(job->d[(size_t)(r0 + r) * job->blocks + b]);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sums[r])));
+            for (int h = 0; h < 2; h++)
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sums[r][h])));
         }
     }
-    const int c0 = g * GROUP + half * 8;
-    if (c0 + 8 <= job->n && !job->residual && !job->bias) {
-        const __m256 scales = _mm256_loadu_ps(job->scales + c0);
-        for (int r = 0; r < rows; r++)
-            _mm256_storeu_ps(job->y + (size_t)(r0 + r) * job->n + c0, _mm256_mul_ps(acc[r], scales));
+    const int c0 = g * GROUP;
+    if (c0 + GROUP <= job->n && !job->residual && !job->bias) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 scales = _mm256_loadu_ps(job->scales + c0 + 8 * h);
+            for (int r = 0; r < rows; r++)
+                _mm256_storeu_ps(job->y + (size_t)(r0 + r) * job->n + c0 + 8 * h, _mm256_mul_ps(acc[r][h], scales));
+        }
         return;
     }
-    float out[AVX2_ROWS * 8];
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
-    store(job, r0, rows, c0, c0 + 8 <= job->n ? 8 : job->n - c0, out, 8);
+    float out[AVX2_ROWS * GROUP];
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + GROUP * r + 8 * h, acc[r][h]);
+    store(job, r0, rows, c0, c0 + GROUP <= job->n ? GROUP : job->n - c0, out);
 }
 
 static void group_avx2(const job_t *job, int g) {
-    for (int half = 0; half < 2 && g * GROUP + half * 8 < job->n; half++) {
-        int r = 0;
-        for (; r + AVX2_ROWS <= job->rows; r += AVX2_ROWS) tile_avx2(job, g, half, r, AVX2_ROWS);
-        switch (job->rows - r) {
-        case 1: tile_avx2(job, g, half, r, 1); break;
-        case 2: tile_avx2(job, g, half, r, 2); break;
-        case 3: tile_avx2(job, g, half, r, 3); break;
-        default: break;
-        }
+    int r = 0;
+    for (; r + AVX2_ROWS <= job->rows; r += AVX2_ROWS) tile_avx2(job, g, r, AVX2_ROWS);
+    switch (job->rows - r) {
+    case 1: tile_avx2(job, g, r, 1); break;
+    case 2: tile_avx2(job, g, r, 2); break;
+    case 3: tile_avx2(job, g, r, 3); break;
+    default: break;
     }
 }
 
-/* AVX-512 VNNI: the 16 channels of group g for ``rows`` rows. The weights are made unsigned (w + 128, one xor per
- * load) so that vpdpbusd multiplies them by the signed codes broadcast from memory; each block's sums then carry
- * 128 * sum(q), taken off before the float step. The same integers as AVX2's, so the same bits. */
+/* AVX-512 VNNI: the 16 channels of group g for ``rows`` rows; vpdpwssd multiplies the widened weights by each row's 2
+ * codes broadcast from memory and adds the pair into its int32 lane, exactly: the same integers as AVX2's. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 static inline __attribute__((always_inline)) VNNI void tile_vnni(const job_t *job, int g, int r0, const int rows) {
-    const int steps = job->k4 / 4, per_block = job->block / 4;
-    const int8_t *w = job->weight + (size_t)g * steps * 64;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int steps = job->k2 / 2, per_block = job->block / 2;
+    const int8_t *w = job->weight + (size_t)g * steps * 32;
     const int32_t *q[VNNI_ROWS];
-    for (int r = 0; r < rows; r++) q[r] = (const int32_t *)(job->q + (size_t)(r0 + r) * job->k4);
+    for (int r = 0; r < rows; r++) q[r] = (const int32_t *)(job->q + (size_t)(r0 + r) * job->k2);
     __m512 acc[VNNI_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0, s0 = 0; s0 < steps; b++, s0 += per_block) {
@@ -190,14 +183,13 @@ static inline __attribute__((always_inline)) VNNI void tile_vnni(const job_t *jo
         __m512i sums[VNNI_ROWS];
         for (int r = 0; r < rows; r++) sums[r] = _mm512_setzero_si512();
         for (int s = s0; s < s1; s++) {
-            _mm_prefetch((const char *)(w + (size_t)s * 64) + PREFETCH, _MM_HINT_T0);
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + (size_t)s * 64)), flip);
-            for (int r = 0; r < rows; r++) sums[r] = _mm512_dpbusd_epi32(sums[r], wv, _mm512_set1_epi32(q[r][s]));
+            _mm_prefetch((const char *)(w + (size_t)s * 32) + PREFETCH, _MM_HINT_T0);
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (size_t)s * 32)));
+            for (int r = 0; r < rows; r++) sums[r] = _mm512_dpwssd_epi32(sums[r], wv, _mm512_set1_epi32(q[r][s]));
         }
         for (int r = 0; r < rows; r++) {
-            const size_t at = (size_t)(r0 + r) * job->blocks + b;
-            const __m512i exact = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(job->corr[at]));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(job->d[at]), _mm512_cvtepi32_ps(exact)));
+            const __m512 scale = _mm512_set1_ps(job->d[(size_t)(r0 + r) * job->blocks + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(sums[r])));
         }
     }
     const int c0 = g * GROUP;
@@ -209,7 +201,7 @@ static inline __attribute__((always_inline)) VNNI void tile_vnni(const job_t *jo
     }
     float out[VNNI_ROWS * GROUP];
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + GROUP * r, acc[r]);
-    store(job, r0, rows, c0, c0 + GROUP <= job->n ? GROUP : job->n - c0, out, GROUP);
+    store(job, r0, rows, c0, c0 + GROUP <= job->n ? GROUP : job->n - c0, out);
 }
 
 static VNNI void group_vnni(const job_t *job, int g) {
@@ -239,8 +231,8 @@ int int8_use_vnni(int wanted) {
 
 /* Bytes of scratch ``int8_linear`` needs for ``rows`` rows of width k in blocks of ``block`` */
 int64_t int8_scratch_bytes(int rows, int k, int block) {
-    const int64_t k4 = (k + 3) & ~3, blocks = (k + block - 1) / block;
-    return (int64_t)rows * (k4 + 8 * blocks) + 64;
+    const int64_t k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
+    return (int64_t)rows * (2 * k2 + 4 * blocks) + 64;
 }
 
 int rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *weight, float eps, int lanes, float *y);
@@ -253,20 +245,18 @@ int rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *weight, 
 int int8_linear(const float *x, int rows, int k, const int8_t *weight, const float *scales, const float *bias, int n,
                 int block, uint8_t *scratch, float *y, const float *residual, const float *norm_weight, float eps,
                 int lanes, float *normed) {
-    if (rows < 1 || k < 1 || n < 1 || block < 4 || block % 4) return -1;
+    if (rows < 1 || k < 1 || n < 1 || block < 2 || block % 2 || block > MAX_BLOCK) return -1;
     if (norm_weight) {
         if (rms_norm_rows(x, rows, k, norm_weight, eps, lanes, normed) != 0) return -1;
         x = normed;
     }
-    const int k4 = (k + 3) & ~3, blocks = (k + block - 1) / block;
-    int8_t *q = (int8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *d = (float *)(q + (size_t)rows * k4);
-    int32_t *corr = (int32_t *)(d + (size_t)rows * blocks);
+    const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
+    int16_t *q = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *d = (float *)(q + (size_t)rows * k2);
 #pragma omp parallel for schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++)
-        quantise_row(x + (size_t)r * k, k, k4, block, q + (size_t)r * k4, d + (size_t)r * blocks,
-                     corr + (size_t)r * blocks);
-    const job_t job = {weight, scales, bias, residual, q, d, corr, y, rows, n, k4, block, blocks};
+        quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    const job_t job = {weight, scales, bias, residual, q, d, y, rows, n, k2, block, blocks};
     const int groups = (n + GROUP - 1) / GROUP;
     const int vnni = use_vnni;
 #pragma omp parallel for schedule(static) if (groups > 8)
