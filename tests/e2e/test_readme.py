@@ -2,8 +2,8 @@
 it, and as another CPU would (our int8 kernel held to its AVX2 sums, ``LLM_INT8_KERNEL_ISA=avx2``, and torch's plain
 C++ kernels instead of its vector ones, ``ATEN_CPU_CAPABILITY=default``, so attention and norms round their last
 bits differently, as another machine's do). Each must answer the question, not only have the right shape: the
-README's own question is a near-tie that 8-bit rows (one scale per row) once answered wrong under one CPU's
-rounding and right under another's."""
+README's own question is a near-tie that 8-bit activations once answered wrong under one CPU's rounding and right
+under another's."""
 
 from __future__ import annotations
 

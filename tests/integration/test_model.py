@@ -171,7 +171,7 @@ def test_the_start_line_names_the_int8_kernel():
     """The line logged at start names the activation blocks and the kernel's sums: AVX2's when held to them
     (``LLM_INT8_KERNEL_ISA=avx2``) or on a CPU without AVX-512 VNNI, VNNI's where the CPU has them."""
     line = describe_cpu()
-    assert "8-bit activations per block of 32" in line
+    assert "16-bit activations per block of 128" in line
     if not {"avx2", "fma"} <= cpu_flags() or os.environ.get("LLM_INT8_KERNEL") == "torch":
         assert "torch's int8 GEMM" in line
     elif os.environ.get("LLM_INT8_KERNEL_ISA") == "avx2" or not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags():

@@ -241,7 +241,7 @@ def test_the_retired_int8_settings_start_with_one_warning_each(env: dict[str, st
     assert len(lines) == 2
     assert "option.int8_split=" in lines[0] and "is retired and ignored" in lines[0]
     assert "LLM_INT8_ACTIVATION_BITS=7 is retired and ignored" in lines[1]
-    assert all("8-bit per block of 32" in line for line in lines)
+    assert all("16-bit codes per block of 128" in line for line in lines)
 
 
 @pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model"])

@@ -122,10 +122,10 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
 
 def warn_retired(settings: Settings) -> None:
     """The settings of the int8 activations' earlier numerics (14-bit rows split in two 7-bit halves, or 7 or 8 bits
-    per row by CPU), retired: one warning each where set, and ignored. Every layer's activations now take 8 bits per
-    block of ``ACTIVATION_BLOCK`` inputs, the same integers on every CPU, in one pass: what ``all`` gave, at the
-    speed ``none`` gave."""
-    why = (f"the int8 activations are 8-bit per block of {ACTIVATION_BLOCK} inputs in every layer, the same integers "
+    per row by CPU), retired: one warning each where set, and ignored. Every layer's activations now take 16-bit
+    codes per block of ``ACTIVATION_BLOCK`` inputs, the same integers on every CPU, in one pass: the answers ``all``
+    gave, faster than ``none`` ran."""
+    why = (f"the int8 layers' activations are 16-bit codes per block of {ACTIVATION_BLOCK} inputs, the same integers "
            "on every CPU, in one pass (README: Numerics)")
     if settings.int8_split != "auto":
         log.warning("option.int8_split=%s is retired and ignored: %s", settings.int8_split, why)

@@ -25,16 +25,21 @@ class DenseLinear:
 
 
 class Int8DynamicLinear:
-    """Per-channel int8 weights in [-127, 127]; each row's activations quantised symmetrically to int8 in [-127, 127]
-    per block of ``block`` inputs (one scale per block, ``max|x| / 127``), in one integer pass; fp32 in and out.
-    CPU only.
+    """Per-channel int8 weights in [-127, 127]; each row's activations quantised symmetrically to 16-bit integer codes
+    in [-32767, 32767] per block of ``block`` inputs (one scale per block, ``max|x| / 32767``), multiplied in one
+    integer pass; fp32 in and out. CPU only.
 
     Why a row's answer depends on nothing but the row, on any x86 CPU: each block's integer sum is exact however a
-    kernel sums it (AVX2's signed 8-bit products never saturate their 16-bit pair sums, 2 * 127 * 127 < 32768;
-    VNNI and AMX sum into int32), and the float steps after it (each block's scale times its sum, added block by
-    block; times the channel's scale; the bias; the residual) are fixed IEEE operations per (row, channel), the
-    same in our C kernel (``kernels/int8_linear.c``, every row count) and in ``reference_linear`` (torch ops, where
-    the kernel cannot run).
+    kernel sums it (AVX2's vpmaddwd and AVX-512 VNNI's vpdpwssd multiply 16-bit pairs into int32 without rounding or
+    saturating, and a block's sum stays below 2^31: ``MAX_BLOCK``), and the float steps after it (each block's scale
+    times its sum, added block by block; times the channel's scale; the bias; the residual) are fixed IEEE
+    operations per (row, channel), the same in our C kernel (``kernels/int8_linear.c``, every row count) and in
+    ``reference_linear`` (torch ops, where the kernel cannot run).
+
+    Why 16-bit codes rather than 8: the activations then cost nothing measurable beyond the int8 weights' own
+    rounding, so answers that hang on a near-tie do not turn on the last bits of the float kernels around the layer
+    (attention, norms), which differ between CPUs (README "Numerics"); and on AVX2 a 16-bit pair product is one
+    instruction where a signed 8-bit one takes three.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None = None) -> None:
@@ -164,4 +169,4 @@ def describe_cpu() -> str:
     path = ("torch's int8 GEMM per block (no kernel: slow)" if kernel is None else
             f"our {'AVX-512 VNNI' if kernel.vnni else 'AVX2'} kernel")
     return (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
-            f"8-bit activations per block of {ACTIVATION_BLOCK} (the same integers on every CPU), {path}")
+            f"16-bit activations per block of {ACTIVATION_BLOCK} (the same integers on every CPU), {path}")
