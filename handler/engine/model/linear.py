@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from handler.engine.model.kernels import FUSED_ROWS, GROUP, NORM_WIDTHS, cpu_flags, int8_kernel
+from handler.engine.model.kernels import GROUP, NORM_WIDTHS, cpu_flags, int8_kernel
 
 # Inputs per activation block: each row's activations are quantised to 16-bit codes per block of this many, with one
 # scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
@@ -87,7 +87,7 @@ class Int8DynamicLinear:
         """``residual + self(rms_norm(x, weight, eps))`` in one kernel call (each part where given; ``norm``:
         ``(weight, eps, lanes)``, the norm ``kernels.fused_rms_norm`` computes with those lanes), the same bits as the
         ops one by one; None where the kernel does not take these rows (the caller runs the ops)."""
-        if self.kernel is None or not 0 < x.shape[0] <= FUSED_ROWS or x.dtype is not torch.float32 or x.dim() != 2:
+        if self.kernel is None or x.shape[0] == 0 or x.dtype is not torch.float32 or x.dim() != 2:
             return None
         if residual is not None and not (residual.dtype is torch.float32 and residual.is_contiguous()
                                          and residual.shape == (x.shape[0], self.out_features)):

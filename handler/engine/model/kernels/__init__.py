@@ -31,9 +31,6 @@ from handler.engine.model.kernels.build import build
 log = logging.getLogger(__name__)
 
 GROUP = 16  # int8_linear.c's GROUP: output channels per packed group of weights (``linear.pack``)
-# Up to how many rows a Linear also takes the norm before it and the residual add after it in its kernel call
-# (``Int8DynamicLinear.fused``: a decode step's rows; a prefill chunk's norms are a small part of its time)
-FUSED_ROWS = 8
 
 
 class Int8Kernel:
@@ -82,8 +79,7 @@ class Int8Kernel:
 
         The function also takes ``residual`` (``[rows, out]`` fp32 contiguous: ``residual + linear(x)``, as torch's
         add after it) and ``norm`` (``(weight, eps, lanes)``: ``linear(rms_norm(x))``, the norm as ``rms_norm.c``
-        computes it with those lanes; up to ``FUSED_ROWS`` rows), each in the same call
-        (``Int8DynamicLinear.fused``)."""
+        computes it with those lanes), each in the same call (``Int8DynamicLinear.fused``)."""
         n, k = scales.shape[0], in_features
         pointer = ctypes.c_void_p
         fixed = (pointer(packed.data_ptr()), pointer(scales.data_ptr()),

@@ -247,7 +247,11 @@ int int8_linear(const float *x, int rows, int k, const int8_t *weight, const flo
                 int lanes, float *normed) {
     if (rows < 1 || k < 1 || n < 1 || block < 2 || block % 2 || block > MAX_BLOCK) return -1;
     if (norm_weight) {
-        if (rms_norm_rows(x, rows, k, norm_weight, eps, lanes, normed) != 0) return -1;
+        int refused = 0;
+#pragma omp parallel for schedule(static) reduction(|| : refused) if (rows >= 16)
+        for (int r = 0; r < rows; r++)
+            refused = rms_norm_rows(x + (size_t)r * k, 1, k, norm_weight, eps, lanes, normed + (size_t)r * k) != 0;
+        if (refused) return -1;
         x = normed;
     }
     const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
