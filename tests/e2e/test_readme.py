@@ -78,6 +78,6 @@ def test_the_quick_start_has_chat_legacy_stream_and_sdk_blocks() -> None:
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["chat", "legacy", "stream", "openai-sdk"][:len(BLOCKS)])
 def test_readme_example_answers_paris(readme_server: RunningServer, index: int) -> None:
-    assert "14-bit per-row activations (two 7-bit halves: the same integers on every CPU)" in readme_server.log()
+    assert "16-bit activations per block of 128 (the same integers on every CPU)" in readme_server.log()
     answer = answer_of(run_block(*BLOCKS[index], readme_server.url))
     assert "Paris" in answer, answer

@@ -4,8 +4,8 @@ qwen2_moe, mixtral) or of gpt_oss's clamped SwiGLU experts.
 An MoE layer runs its experts batched over the step's rows: the router scores every row at once, and each expert
 that received rows runs once, on exactly those rows (gathered, one ``gate_up`` and one ``down``, scattered back
 weighted). No loop runs per token; the loop over experts skips the ones nobody picked. (One loop over experts
-rather than a grouped matmul over stacked ``[experts, ...]`` weights: with int8 each expert is its own fbgemm
-packed weight, one GEMM per weight.)
+rather than a grouped matmul over stacked ``[experts, ...]`` weights: with int8 each expert is its own packed
+weight, one kernel call per weight.)
 
 Routing follows each family's transformers code to the dtype:
 

@@ -1,16 +1,17 @@
-"""The lean engine's own CPU kernels: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``),
-RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode
-step's KV writes (``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``).
+"""The lean engine's own CPU kernels: the int8 Linear for any number of rows (``int8_linear.c``), RMSNorm in one call
+(``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode step's KV writes
+(``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``).
 
-Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
-more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
-int8 weights once for all of them with AVX2's u8*s8 products (AVX-512 VNNI's where the CPU has it: the same exact
-integers), and applies the same float epilogue, giving the same bits as the torch path
-(``tests/unit/test_int8_kernel.py``), so a row's answer does not depend on which path ran.
+Why our own: torch has no int8 GEMM that gives the same integers on every x86 CPU with 16-bit activations (fbgemm's
+u8*s8 pairs saturate on AVX2), and at batch 1 a Linear as a dozen small torch ops cost more in dispatch than its
+matrix product. The C kernel quantises the rows, reads the int8 weights once per call for all of them with AVX2's
+16-bit pair products (AVX-512 VNNI's where the CPU has them: the same exact integers), and applies a fixed float
+epilogue, giving the bits of its torch reference (``linear.reference_linear``; ``tests/unit/test_int8_kernel.py``),
+so a row's answer does not depend on which path ran.
 
 It is plain C, built with the system compiler in about a second (no torch headers; ``build``) into a cache keyed by
 its source and flags, and loaded with ctypes: ``make model`` and the image build it ahead; a start builds it if it is
-missing. Without AVX2 and FMA, or a compiler, the torch path runs (one log line says so); ``LLM_INT8_KERNEL=torch``
+missing. Without AVX2 and FMA, or a compiler, the torch reference runs (one log line says so); ``LLM_INT8_KERNEL=torch``
 forces it, and ``LLM_INT8_KERNEL_ISA=avx2`` keeps the kernel's AVX2 sums on a CPU with AVX-512 VNNI.
 """
 
@@ -165,13 +166,14 @@ def int8_kernel() -> Int8Kernel | None:
         if os.environ.get("LLM_INT8_KERNEL", "auto") == "torch":
             return None
         if not {"avx2", "fma"} <= cpu_flags():
-            log.info("int8: no AVX2 and FMA on this CPU; a decode step's Linears run through torch and fbgemm")
+            log.info("int8: no AVX2 and FMA on this CPU; the int8 Linears run through torch's ops (the same numbers, "
+                     "slowly)")
             return None
         try:
             _KERNEL = Int8Kernel(build())
         except OSError as error:
-            log.warning("int8: the decode kernel could not be built (%s); a decode step's Linears run through "
-                        "torch and fbgemm (slower at batch 1, the same numbers)", error)
+            log.warning("int8: the kernel could not be built (%s); the int8 Linears run through torch's ops (the same "
+                        "numbers, slowly)", error)
         return _KERNEL
 
 
