@@ -32,6 +32,7 @@ from handler.engine.model.kernels.build import build
 log = logging.getLogger(__name__)
 
 GROUP = 16  # int8_linear.c's GROUP: output channels per packed group of weights (``linear.pack``)
+SCRATCH_ALIGN = 64  # int8_linear.c: the bytes int8_scratch_bytes adds to align the codes
 
 
 class Int8Kernel:
@@ -62,6 +63,7 @@ class Int8Kernel:
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
         self.scratch, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+        self.scratch_bytes = self.normed_floats = 0
         self._scratch, self._normed = ctypes.c_void_p(self.scratch.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
@@ -86,33 +88,35 @@ class Int8Kernel:
         fixed = (pointer(packed.data_ptr()), pointer(scales.data_ptr()),
                  None if bias is None else pointer(bias.data_ptr()), n, block)
         call, empty, no_norm = self.lib.int8_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
-        room = self._room_for
+        per_row = self.lib.int8_scratch_bytes(1, k, block) - SCRATCH_ALIGN  # the codes and scales of a row
 
         def linear(x: torch.Tensor, residual: torch.Tensor | None = None,
                    norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
             x = x.contiguous()
             rows = x.shape[0]
-            scratch = room(rows, k, block, norm is not None)
+            need = rows * per_row + SCRATCH_ALIGN
+            if need > self.scratch_bytes or (norm is not None and rows * k > self.normed_floats):
+                self._grow(need, 0 if norm is None else rows * k)
             y = empty(rows, n)
             norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
-            if call(pointer(x.data_ptr()), rows, k, *fixed, scratch, pointer(y.data_ptr()),
+            if call(pointer(x.data_ptr()), rows, k, *fixed, self._scratch, pointer(y.data_ptr()),
                     None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed) != 0:
                 raise RuntimeError(f"int8 kernel refused {rows} rows of {k} inputs (block {block})")
             return y
 
         return linear
 
-    def _room_for(self, rows: int, k: int, block: int, normed: bool) -> ctypes.c_void_p:
-        """The scratch for ``rows`` rows of width ``k`` (the codes, and the normed rows where the norm is fused);
-        grown, never shrunk; one per process."""
-        need = self.lib.int8_scratch_bytes(rows, k, block)
-        if self.scratch.numel() < need:
-            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
+    def _grow(self, scratch_bytes: int, normed_floats: int) -> None:
+        """Room for a call's codes (``scratch_bytes``) and normed rows (where the norm is fused): grown, never shrunk;
+        one per process."""
+        if scratch_bytes > self.scratch_bytes:
+            self.scratch = torch.empty(max(scratch_bytes, 2 * self.scratch_bytes), dtype=torch.uint8)
+            self.scratch_bytes = self.scratch.numel()
             self._scratch = ctypes.c_void_p(self.scratch.data_ptr())
-        if normed and self.normed.numel() < rows * k:
-            self.normed = torch.empty(rows * k)
+        if normed_floats > self.normed_floats:
+            self.normed = torch.empty(max(normed_floats, 2 * self.normed_floats))
+            self.normed_floats = self.normed.numel()
             self._normed = ctypes.c_void_p(self.normed.data_ptr())
-        return self._scratch
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:

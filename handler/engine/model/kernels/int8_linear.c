@@ -229,6 +229,13 @@ int int8_use_vnni(int wanted) {
     return use_vnni;
 }
 
+static void run_group(const job_t *job, int g) {
+    if (use_vnni)
+        group_vnni(job, g);
+    else
+        group_avx2(job, g);
+}
+
 /* Bytes of scratch ``int8_linear`` needs for ``rows`` rows of width k in blocks of ``block`` */
 int64_t int8_scratch_bytes(int rows, int k, int block) {
     const int64_t k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
@@ -248,27 +255,35 @@ int int8_linear(const float *x, int rows, int k, const int8_t *weight, const flo
     if (rows < 1 || k < 1 || n < 1 || block < 2 || block % 2 || block > MAX_BLOCK) return -1;
     if (norm_weight) {
         int refused = 0;
-#pragma omp parallel for schedule(static) reduction(|| : refused) if (rows >= 16)
-        for (int r = 0; r < rows; r++)
-            refused = rms_norm_rows(x + (size_t)r * k, 1, k, norm_weight, eps, lanes, normed + (size_t)r * k) != 0;
+        if (rows >= 16) {
+#pragma omp parallel for schedule(static) reduction(|| : refused)
+            for (int r = 0; r < rows; r++)
+                refused = rms_norm_rows(x + (size_t)r * k, 1, k, norm_weight, eps, lanes, normed + (size_t)r * k) != 0;
+        } else {
+            refused = rms_norm_rows(x, rows, k, norm_weight, eps, lanes, normed) != 0;
+        }
         if (refused) return -1;
         x = normed;
     }
     const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
     int16_t *q = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *d = (float *)(q + (size_t)rows * k2);
-#pragma omp parallel for schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++)
-        quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    /* (the OpenMP regions only where there is work to share: an empty one costs a microsecond) */
+    if (rows >= 16) {
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < rows; r++)
+            quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    } else {
+        for (int r = 0; r < rows; r++)
+            quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    }
     const job_t job = {weight, scales, bias, residual, q, d, y, rows, n, k2, block, blocks};
     const int groups = (n + GROUP - 1) / GROUP;
-    const int vnni = use_vnni;
-#pragma omp parallel for schedule(static) if (groups > 8)
-    for (int g = 0; g < groups; g++) {
-        if (vnni)
-            group_vnni(&job, g);
-        else
-            group_avx2(&job, g);
+    if (groups <= 8) {
+        for (int g = 0; g < groups; g++) run_group(&job, g);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++) run_group(&job, g);
     return 0;
 }
