@@ -153,3 +153,28 @@ def test_the_norm_before_and_the_residual_after_in_one_call_are_the_ops_one_by_o
     x = rows_with_outliers(2, in_features, generator)
     assert layer.fused(x, residual=torch.zeros(2, 5)) is None, "a residual of another shape"
     assert layer.fused(x.double()) is None, "not fp32"
+
+
+def test_a_gated_mlp_in_one_call_is_the_ops_one_by_one(kernel) -> None:
+    """``GatedMLP.fused``: ``residual + down(silu(gate) * up)`` of ``gate_up(rms_norm(x))`` in one kernel call (the
+    llama block's MLP) gives the bits of the norm, the two layers, the SiLU kernel and torch's add run one by one,
+    with biases and without, for a decode step's rows and a prefill chunk's; it declines what it does not take."""
+    from handler.engine.model.moe import GatedMLP
+
+    norm, silu = kernels.fused_rms_norm(), kernels.fused_silu_mul()
+    assert norm is not None and silu is not None and silu.lanes in (8, 16)
+    generator = torch.Generator().manual_seed(14)
+    for bias in (False, True):
+        mlp = GatedMLP(Int8DynamicLinear(torch.randn(3072, 576, generator=generator) * 0.05,
+                                         torch.randn(3072, generator=generator) if bias else None),
+                       Int8DynamicLinear(torch.randn(576, 1536, generator=generator) * 0.05,
+                                         torch.randn(576, generator=generator) if bias else None))
+        weight = torch.rand(576, generator=generator) + 0.5
+        for rows in (1, 2, 5, 17, 40):
+            x = rows_with_outliers(rows, 576, generator) * 3
+            one_by_one = x + mlp.down(mlp.gated(mlp.gate_up(norm(x, weight, 1e-5))))
+            assert torch.equal(mlp.fused(x, residual=x, norm=(weight, 1e-5, norm.lanes)), one_by_one)
+            assert torch.equal(mlp.fused(x), mlp(x))
+    assert mlp.fused(x, residual=torch.zeros(rows, 5)) is None, "a residual of another shape"
+    other = GatedMLP(mlp.gate_up, Int8DynamicLinear(torch.randn(576, 1536, generator=generator), None, block=64))
+    assert other.fused(x) is None, "layers of other activation blocks"

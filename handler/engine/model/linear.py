@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from handler.engine.model.kernels import GROUP, NORM_WIDTHS, cpu_flags, int8_kernel
+from handler.engine.model.kernels import GROUP, NORM_WIDTHS, cpu_flags, fused_silu_mul, int8_kernel
 
 # Inputs per activation block: each row's activations are quantised to 16-bit codes per block of this many, with one
 # scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
@@ -77,6 +77,7 @@ class Int8DynamicLinear:
         self.kernel = int8_kernel() if packed.device.type == "cpu" else None
         self._kernel_call = None if self.kernel is None else self.kernel.bind(
             self.packed, self.in_features, self.scales, self.bias, self.block)
+        self._mlp: tuple[Int8DynamicLinear, object] | None = None  # ``fused_mlp``'s down layer and bound call
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weights ``[out, in]`` and their fp32 per-channel scales."""
@@ -96,6 +97,27 @@ class Int8DynamicLinear:
                                      and norm[0].shape == (x.shape[1],) and x.shape[1] in NORM_WIDTHS):
             return None
         return self._kernel_call(x, residual, norm)
+
+    def fused_mlp(self, down: Int8DynamicLinear, x: torch.Tensor, residual: torch.Tensor | None = None,
+                  norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
+        """A gated MLP whose gate_up is this layer: ``residual + down(silu(gate) * up)`` of ``self(rms_norm(x))``
+        in one kernel call (``residual`` and ``norm`` as ``fused``'s), SiLU as ``kernels.fused_silu_mul`` computes
+        it: the same bits as the calls one by one; None where the kernel does not take it."""
+        silu = fused_silu_mul()
+        if (silu is None or self.kernel is None or down.kernel is not self.kernel or down.block != self.block
+                or 2 * down.in_features != self.out_features or x.shape[0] == 0 or x.dtype is not torch.float32
+                or x.dim() != 2):
+            return None
+        if residual is not None and not (residual.dtype is torch.float32 and residual.is_contiguous()
+                                         and residual.shape == (x.shape[0], down.out_features)):
+            return None
+        if norm is not None and not (norm[0].dtype is torch.float32 and norm[0].is_contiguous()
+                                     and norm[0].shape == (x.shape[1],) and x.shape[1] in NORM_WIDTHS):
+            return None
+        if self._mlp is None or self._mlp[0] is not down:
+            self._mlp = (down, self.kernel.bind_mlp((self.packed, self.scales, self.bias),
+                                                    (down.packed, down.scales, down.bias), self.block, silu.lanes))
+        return self._mlp[1](x, residual, norm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:

@@ -58,6 +58,16 @@ class GatedMLP:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(self.gated(self.gate_up(h)))
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+              norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
+        """``residual + self(rms_norm(x))`` in one int8 kernel call where both projections are int8 on the kernel
+        and the activation is SiLU (``Int8DynamicLinear.fused_mlp``: the same bits as the ops one by one); None
+        elsewhere (the caller runs the ops)."""
+        gate_up, down = self.gate_up, self.down
+        if self.activation is not F.silu or not type(gate_up) is type(down) is Int8DynamicLinear:
+            return None
+        return gate_up.fused_mlp(down, x, residual, norm)
+
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``activation(gate) * up`` of gate_up's output (what down reads): SiLU's in one kernel call where it gives
         torch's bits here (``kernels.fused_silu_mul``; fp32 rows on CPU)."""

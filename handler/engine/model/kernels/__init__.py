@@ -44,6 +44,7 @@ class Int8Kernel:
         # no argtypes: ``bind`` passes its pointers as prebuilt c_void_p and its sizes as ints, so ctypes converts
         # nothing per call
         self.lib.int8_linear.restype = integer
+        self.lib.int8_mlp.restype = integer
         self.lib.int8_scratch_bytes.argtypes = [integer, integer, integer]
         self.lib.int8_scratch_bytes.restype = ctypes.c_int64
         self.lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, pointer, ctypes.c_float, integer,
@@ -62,9 +63,12 @@ class Int8Kernel:
         self.lib.kv_write_rows.restype = integer
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
-        self.scratch, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
-        self.scratch_bytes = self.normed_floats = 0
-        self._scratch, self._normed = ctypes.c_void_p(self.scratch.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
+        # scratch shared by every call (one engine thread calls the model): the activations' codes, the normed rows
+        # and the MLP's two intermediates (``_grow``)
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.scratch_bytes, self._scratch = 0, ctypes.c_void_p(0)
+        self.floats = {name: torch.empty(0) for name in ("normed", "gate_up", "gated")}
+        self._floats = {name: ctypes.c_void_p(0) for name in self.floats}
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
@@ -95,28 +99,68 @@ class Int8Kernel:
             x = x.contiguous()
             rows = x.shape[0]
             need = rows * per_row + SCRATCH_ALIGN
-            if need > self.scratch_bytes or (norm is not None and rows * k > self.normed_floats):
-                self._grow(need, 0 if norm is None else rows * k)
+            if need > self.scratch_bytes or (norm is not None and rows * k > self.floats["normed"].numel()):
+                self._grow(need, normed=0 if norm is None else rows * k)
             y = empty(rows, n)
             norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
             if call(pointer(x.data_ptr()), rows, k, *fixed, self._scratch, pointer(y.data_ptr()),
-                    None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed) != 0:
+                    None if residual is None else pointer(residual.data_ptr()), *norm_args,
+                    self._floats["normed"]) != 0:
                 raise RuntimeError(f"int8 kernel refused {rows} rows of {k} inputs (block {block})")
             return y
 
         return linear
 
-    def _grow(self, scratch_bytes: int, normed_floats: int) -> None:
-        """Room for a call's codes (``scratch_bytes``) and normed rows (where the norm is fused): grown, never shrunk;
-        one per process."""
+    def bind_mlp(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                 down: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], block: int,
+                 silu_lanes: int) -> Callable[..., torch.Tensor]:
+        """A gated MLP of two int8 Linears (each ``(packed, scales, bias)`` as ``bind`` takes them; gate_up's
+        ``2 * inter`` channels gate first, down's ``hidden``) as a function of ``x`` ``[rows, hidden]``, with
+        ``residual`` and ``norm`` as ``bind``'s: ``residual + down(silu(gate) * up)`` of ``gate_up(rms_norm(x))`` in
+        one call (``int8_mlp``), SiLU as ``silu.c`` computes it on ``silu_lanes`` lanes: the bits of the calls one by
+        one."""
+        hidden, inter = down[1].shape[0], gate_up[1].shape[0] // 2
+        pointer = ctypes.c_void_p
+
+        def weights(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tuple:
+            packed, scales, bias = layer
+            return pointer(packed.data_ptr()), pointer(scales.data_ptr()), None if bias is None else pointer(
+                bias.data_ptr())
+
+        first, second = weights(gate_up), weights(down)
+        call, empty, no_norm = self.lib.int8_mlp, torch.empty, (None, ctypes.c_float(0.0), 0)
+        per_row = self.lib.int8_scratch_bytes(1, max(hidden, inter), block) - SCRATCH_ALIGN
+
+        def mlp(x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
+            x = x.contiguous()
+            rows = x.shape[0]
+            need = rows * per_row + SCRATCH_ALIGN
+            if need > self.scratch_bytes or rows * inter > self.floats["gated"].numel() or (
+                    norm is not None and rows * hidden > self.floats["normed"].numel()):
+                self._grow(need, normed=0 if norm is None else rows * hidden, gate_up=rows * 2 * inter,
+                           gated=rows * inter)
+            y = empty(rows, hidden)
+            norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
+            floats = self._floats
+            if call(pointer(x.data_ptr()), rows, hidden, inter, *first, *second, block, self._scratch,
+                    pointer(y.data_ptr()), None if residual is None else pointer(residual.data_ptr()), *norm_args,
+                    floats["normed"], silu_lanes, floats["gate_up"], floats["gated"]) != 0:
+                raise RuntimeError(f"int8 MLP kernel refused {rows} rows (block {block}, SiLU lanes {silu_lanes})")
+            return y
+
+        return mlp
+
+    def _grow(self, scratch_bytes: int, **floats: int) -> None:
+        """Room for a call's codes (``scratch_bytes``) and float rows (by name): grown, never shrunk."""
         if scratch_bytes > self.scratch_bytes:
             self.scratch = torch.empty(max(scratch_bytes, 2 * self.scratch_bytes), dtype=torch.uint8)
             self.scratch_bytes = self.scratch.numel()
             self._scratch = ctypes.c_void_p(self.scratch.data_ptr())
-        if normed_floats > self.normed_floats:
-            self.normed = torch.empty(max(normed_floats, 2 * self.normed_floats))
-            self.normed_floats = self.normed.numel()
-            self._normed = ctypes.c_void_p(self.normed.data_ptr())
+        for name, count in floats.items():
+            if count > self.floats[name].numel():
+                self.floats[name] = torch.empty(max(count, 2 * self.floats[name].numel()))
+                self._floats[name] = ctypes.c_void_p(self.floats[name].data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
@@ -283,6 +327,7 @@ def _silu_mul_of(kernel: Int8Kernel, lanes: int):
         kernel.lib.silu_mul_rows(gate_up.data_ptr(), rows, width // 2, lanes, out.data_ptr())
         return out
 
+    gated.lanes = lanes  # what an MLP's kernel call needs to compute this itself (``Int8DynamicLinear.fused_mlp``)
     return gated
 
 

@@ -236,54 +236,82 @@ static void run_group(const job_t *job, int g) {
         group_avx2(job, g);
 }
 
-/* Bytes of scratch ``int8_linear`` needs for ``rows`` rows of width k in blocks of ``block`` */
+/* Bytes of scratch ``int8_linear`` and ``int8_mlp`` need for the codes of ``rows`` rows of width k in blocks of
+ * ``block`` */
 int64_t int8_scratch_bytes(int rows, int k, int block) {
     const int64_t k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
     return (int64_t)rows * (2 * k2 + 4 * blocks) + 64;
 }
 
 int rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *weight, float eps, int lanes, float *y);
+int silu_mul_rows(const float *gate_up, int64_t rows, int64_t inter, int lanes, float *out);
+
+/* The phases of a call, each an ``omp for`` shared by the threads of the caller's parallel region (a barrier at its
+ * end), or run whole where there is none. Each row and each channel is computed by one thread, whole. */
+
+static void norm_rows(const float *x, int rows, int k, const float *weight, float eps, int lanes, float *out) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) rms_norm_rows(x + (size_t)r * k, 1, k, weight, eps, lanes, out + (size_t)r * k);
+}
+
+static void silu_rows(const float *gate_up, int rows, int inter, int lanes, float *out) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) silu_mul_rows(gate_up + (size_t)r * 2 * inter, 1, inter, lanes, out + (size_t)r * inter);
+}
+
+/* Quantise x[rows, k] into the scratch's codes and scales, then y = the product with one Linear's weights */
+static void linear_rows(const float *x, int rows, int k, const int8_t *weight, const float *scales, const float *bias,
+                        int n, int block, uint8_t *scratch, float *y, const float *residual) {
+    const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
+    int16_t *q = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *d = (float *)(q + (size_t)rows * k2);
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    const job_t job = {weight, scales, bias, residual, q, d, y, rows, n, k2, block, blocks};
+    const int groups = (n + GROUP - 1) / GROUP;
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) run_group(&job, g);
+}
+
+static int bad_block(int block) { return block < 2 || block % 2 || block > MAX_BLOCK; }
 
 /* y[rows, n] = the int8 linear of x[rows, k] (weights packed as above, ``n`` channels; scratch of
  * int8_scratch_bytes). With ``norm_weight``, of rms_norm_rows(x, norm_weight, eps, lanes) instead (written to
  * ``normed``, rows * k floats): the norm before a Linear in one call. With ``residual`` ([rows, n]), residual + that,
- * as torch's add after the Linear: one IEEE add, so the same bits. Returns 0, or -1 for a bad size or a norm that
- * refuses its lanes. */
+ * as torch's add after the Linear: one IEEE add, so the same bits. Returns 0, or -1 for a bad size, block or lanes. */
 int int8_linear(const float *x, int rows, int k, const int8_t *weight, const float *scales, const float *bias, int n,
                 int block, uint8_t *scratch, float *y, const float *residual, const float *norm_weight, float eps,
                 int lanes, float *normed) {
-    if (rows < 1 || k < 1 || n < 1 || block < 2 || block % 2 || block > MAX_BLOCK) return -1;
-    if (norm_weight) {
-        int refused = 0;
-        if (rows >= 16) {
-#pragma omp parallel for schedule(static) reduction(|| : refused)
-            for (int r = 0; r < rows; r++)
-                refused = rms_norm_rows(x + (size_t)r * k, 1, k, norm_weight, eps, lanes, normed + (size_t)r * k) != 0;
-        } else {
-            refused = rms_norm_rows(x, rows, k, norm_weight, eps, lanes, normed) != 0;
-        }
-        if (refused) return -1;
-        x = normed;
+    if (rows < 1 || k < 1 || n < 1 || bad_block(block) || (norm_weight && lanes != 8 && lanes != 16)) return -1;
+    /* threads only where there is work to share (a region costs a microsecond or two) */
+#pragma omp parallel if (rows >= 16 || n > 8 * GROUP)
+    {
+        if (norm_weight) norm_rows(x, rows, k, norm_weight, eps, lanes, normed);
+        linear_rows(norm_weight ? normed : x, rows, k, weight, scales, bias, n, block, scratch, y, residual);
     }
-    const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
-    int16_t *q = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *d = (float *)(q + (size_t)rows * k2);
-    /* (the OpenMP regions only where there is work to share: an empty one costs a microsecond) */
-    if (rows >= 16) {
-#pragma omp parallel for schedule(static)
-        for (int r = 0; r < rows; r++)
-            quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
-    } else {
-        for (int r = 0; r < rows; r++)
-            quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+    return 0;
+}
+
+/* A gated MLP in one call: y = residual + down(silu(gate) * up) of gate_up(rms_norm(x)) (each part where given:
+ * ``norm_weight`` NULL takes x as it is, ``residual`` NULL adds nothing), every step the function the separate calls
+ * run (rms_norm_rows, int8_linear's product, silu_mul_rows with ``silu_lanes``), so the same bits, in one parallel
+ * region. gate_up's weights have 2 * inter channels (gate first), down's ``hidden``; scratch holds the codes of the
+ * wider input (int8_scratch_bytes), ``normed`` rows * hidden floats, ``gate_up`` rows * 2 * inter, ``gated`` rows *
+ * inter. Returns 0, or -1 for a bad size, block or lanes. */
+int int8_mlp(const float *x, int rows, int hidden, int inter, const int8_t *w1, const float *s1, const float *b1,
+             const int8_t *w2, const float *s2, const float *b2, int block, uint8_t *scratch, float *y,
+             const float *residual, const float *norm_weight, float eps, int norm_lanes, float *normed, int silu_lanes,
+             float *gate_up, float *gated) {
+    if (rows < 1 || hidden < 1 || inter < 1 || bad_block(block) || (silu_lanes != 8 && silu_lanes != 16) ||
+        (norm_weight && norm_lanes != 8 && norm_lanes != 16))
+        return -1;
+#pragma omp parallel
+    {
+        if (norm_weight) norm_rows(x, rows, hidden, norm_weight, eps, norm_lanes, normed);
+        linear_rows(norm_weight ? normed : x, rows, hidden, w1, s1, b1, 2 * inter, block, scratch, gate_up, NULL);
+        silu_rows(gate_up, rows, inter, silu_lanes, gated);
+        linear_rows(gated, rows, inter, w2, s2, b2, hidden, block, scratch, y, residual);
     }
-    const job_t job = {weight, scales, bias, residual, q, d, y, rows, n, k2, block, blocks};
-    const int groups = (n + GROUP - 1) / GROUP;
-    if (groups <= 8) {
-        for (int g = 0; g < groups; g++) run_group(&job, g);
-        return 0;
-    }
-#pragma omp parallel for schedule(static)
-    for (int g = 0; g < groups; g++) run_group(&job, g);
     return 0;
 }
