@@ -75,8 +75,8 @@ def probe(threads: int, profile: bool) -> None:
 
 
 def _breakdown(model, run) -> tuple[dict[str, float], float]:
-    """Per step (median step's share), the seconds spent in each part: the int8 Linears (the norms and adds they
-    take in their call included), the head, attention and its KV writes, the q/k/v split with RoPE, SiLU times up,
+    """Per step (median step's share), the seconds spent in each part: the int8 Linears (the norms, adds and SiLU
+    they take in their call included), the head, attention and its KV writes, the q/k/v split with RoPE, SiLU times up,
     the norms run on their own, and the rest of the forward (embedding, RoPE tables, the layer loop, the layout)."""
     from handler.engine.model.kv_cache import KVCache
     from handler.engine.model.linear import Int8DynamicLinear
@@ -105,6 +105,8 @@ def _breakdown(model, run) -> tuple[dict[str, float], float]:
                (KVCache, "write_decode", timing("kv writes", KVCache.write_decode))]
     if fused is not None:
         patches.append((Int8DynamicLinear, "fused", lambda self, *a, **k: timing("int8 linears", fused)(self, *a, **k)))
+    if "fused" in GatedMLP.__dict__:  # the MLP's two Linears and SiLU in one kernel call
+        patches.append((GatedMLP, "fused", timing("int8 linears", GatedMLP.__dict__["fused"])))
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     norm = model.norm
     splits = [layer.split for layer in model.layers]
