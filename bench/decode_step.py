@@ -76,8 +76,8 @@ def probe(threads: int, profile: bool) -> None:
 
 def _breakdown(model, run) -> tuple[dict[str, float], float]:
     """Per step (median step's share), the seconds spent in each part: the int8 Linears (the norms, adds and SiLU
-    they take in their call included), the head, attention and its KV writes, the q/k/v split with RoPE, SiLU times up,
-    the norms run on their own, and the rest of the forward (embedding, RoPE tables, the layer loop, the layout)."""
+    they take in their call included), the head, attention and its KV writes, the q/k/v split with RoPE, SiLU times
+    up, the norms run on their own, and the rest of the forward (embedding, RoPE tables, the layer loop, the layout)."""
     from handler.engine.model.kv_cache import KVCache
     from handler.engine.model.linear import Int8DynamicLinear
     from handler.engine.model.moe import GatedMLP
@@ -93,42 +93,37 @@ def _breakdown(model, run) -> tuple[dict[str, float], float]:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         return wrapper
 
-    head = model.lm_head
-    call, fused = Int8DynamicLinear.__call__, getattr(Int8DynamicLinear, "fused", None)
-    gated, attention = GatedMLP.gated, type(model)._attention
-
-    def linear_call(self, x):
-        return timing("head" if self is head else "int8 linears", call)(self, x)
-
-    patches = [(Int8DynamicLinear, "__call__", linear_call), (GatedMLP, "gated", timing("silu*up", gated)),
-               (type(model), "_attention", timing("attention", attention)),
-               (KVCache, "write_decode", timing("kv writes", KVCache.write_decode))]
-    if fused is not None:
-        patches.append((Int8DynamicLinear, "fused", lambda self, *a, **k: timing("int8 linears", fused)(self, *a, **k)))
-    if "fused" in GatedMLP.__dict__:  # the MLP's two Linears and SiLU in one kernel call
-        patches.append((GatedMLP, "fused", timing("int8 linears", GatedMLP.__dict__["fused"])))
-    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-    norm = model.norm
-    splits = [layer.split for layer in model.layers]
+    head, call = model.lm_head, Int8DynamicLinear.__call__
+    # (owner, attribute, part): a class's method or an instance's attribute, wrapped while the steps run; the model's
+    # attention is a method in some versions of the code, an attribute in others
+    targets = [(GatedMLP, "gated", "silu*up"), (KVCache, "write_decode", "kv writes"), (model, "norm", "norms"),
+               (Int8DynamicLinear, "fused", "int8 linears"), (GatedMLP, "fused", "int8 linears"),
+               (type(model), "_attention", "attention"), (model, "attention", "attention")]
+    targets += [(layer, "split", "split+rope") for layer in model.layers]
+    found = [(owner, name, part, _own(owner, name)) for owner, name, part in targets if _own(owner, name) is not None]
     try:
-        for owner, name, replacement in patches:
-            setattr(owner, name, replacement)
-        model.norm = timing("norms", norm)
-        for layer, split in zip(model.layers, splits, strict=True):
-            layer.split = timing("split+rope", split)
+        for owner, name, part, original in found:
+            setattr(owner, name, timing(part, original))
+        Int8DynamicLinear.__call__ = lambda self, x: timing("head" if self is head else "int8 linears", call)(self, x)
         steps = run()
     finally:
-        for owner, name, original in originals:
+        Int8DynamicLinear.__call__ = call
+        for owner, name, _part, original in found:
             setattr(owner, name, original)
-        model.norm = norm
-        for layer, split in zip(model.layers, splits, strict=True):
-            layer.split = split
+    if "attention" in totals:  # (the writes are timed inside attention)
+        totals["attention"] -= totals.get("kv writes", 0.0)
     scale = 1.0 / len(steps)
-    totals["attention"] -= totals.get("kv writes", 0.0)  # (the writes are timed inside attention)
     parts = {name: seconds * scale for name, seconds in sorted(totals.items(), key=lambda item: -item[1])}
     wrapped = sum(steps) * scale
     parts["rest"] = wrapped - sum(parts.values())
     return parts, wrapped
+
+
+def _own(owner: object, name: str) -> object | None:
+    """A class's own method ``name`` (not an inherited one), or an instance's attribute; None where there is none."""
+    if isinstance(owner, type):
+        return owner.__dict__.get(name)
+    return getattr(owner, name, None)
 
 
 def main() -> int:

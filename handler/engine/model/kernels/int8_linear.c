@@ -246,28 +246,53 @@ int64_t int8_scratch_bytes(int rows, int k, int block) {
 int rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *weight, float eps, int lanes, float *y);
 int silu_mul_rows(const float *gate_up, int64_t rows, int64_t inter, int lanes, float *out);
 
-/* The phases of a call, each an ``omp for`` shared by the threads of the caller's parallel region (a barrier at its
- * end), or run whole where there is none. Each row and each channel is computed by one thread, whole. */
+/* The phases of a call. A decode step's few rows are normed and quantised by the calling thread before the threads
+ * start (waiting for them at a barrier cost more than the work); a prefill chunk's many, by ``omp for`` inside the
+ * parallel region. Each row and each channel is computed by one thread, whole, so the bits are the same either way. */
+#define SHARED_ROWS 16 /* from this many rows the threads share the rows' norms, quantisation and SiLU */
 
-static void norm_rows(const float *x, int rows, int k, const float *weight, float eps, int lanes, float *out) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) rms_norm_rows(x + (size_t)r * k, 1, k, weight, eps, lanes, out + (size_t)r * k);
-}
-
-static void silu_rows(const float *gate_up, int rows, int inter, int lanes, float *out) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) silu_mul_rows(gate_up + (size_t)r * 2 * inter, 1, inter, lanes, out + (size_t)r * inter);
-}
-
-/* Quantise x[rows, k] into the scratch's codes and scales, then y = the product with one Linear's weights */
-static void linear_rows(const float *x, int rows, int k, const int8_t *weight, const float *scales, const float *bias,
-                        int n, int block, uint8_t *scratch, float *y, const float *residual) {
+static void prepare_row(const float *x, int r, int k, const float *norm_weight, float eps, int lanes, float *normed,
+                        int block, int16_t *q, float *d) {
     const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
-    int16_t *q = (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *d = (float *)(q + (size_t)rows * k2);
+    const float *row = x + (size_t)r * k;
+    if (norm_weight) {
+        rms_norm_rows(row, 1, k, norm_weight, eps, lanes, normed + (size_t)r * k);
+        row = normed + (size_t)r * k;
+    }
+    quantise_row(row, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+}
+
+/* rms_norm (where given) and quantisation of x[rows, k] into the codes ``q`` and scales ``d``: by ``omp for`` where
+ * ``shared``, else whole (by the caller, outside any region) */
+static void prepare_rows(const float *x, int rows, int k, const float *norm_weight, float eps, int lanes,
+                         float *normed, int block, int16_t *q, float *d, int shared) {
+    if (shared) {
 #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++)
-        quantise_row(x + (size_t)r * k, k, k2, block, q + (size_t)r * k2, d + (size_t)r * blocks);
+        for (int r = 0; r < rows; r++) prepare_row(x, r, k, norm_weight, eps, lanes, normed, block, q, d);
+    } else {
+        for (int r = 0; r < rows; r++) prepare_row(x, r, k, norm_weight, eps, lanes, normed, block, q, d);
+    }
+}
+
+/* silu(gate) * up of gate_up[rows, 2 * inter] into gated, then its quantisation (as prepare_rows) */
+static void gate_rows(const float *gate_up, int rows, int inter, int lanes, float *gated, int block, int16_t *q,
+                      float *d, int shared) {
+    if (shared) {
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            silu_mul_rows(gate_up + (size_t)r * 2 * inter, 1, inter, lanes, gated + (size_t)r * inter);
+            prepare_row(gated, r, inter, NULL, 0.0f, 0, NULL, block, q, d);
+        }
+    } else {
+        silu_mul_rows(gate_up, rows, inter, lanes, gated);
+        for (int r = 0; r < rows; r++) prepare_row(gated, r, inter, NULL, 0.0f, 0, NULL, block, q, d);
+    }
+}
+
+/* y = the product of the prepared codes with one Linear's weights, channel groups by ``omp for`` */
+static void product(const int16_t *q, const float *d, int rows, int k, const int8_t *weight, const float *scales,
+                    const float *bias, int n, int block, float *y, const float *residual) {
+    const int k2 = (k + 1) & ~1, blocks = (k + block - 1) / block;
     const job_t job = {weight, scales, bias, residual, q, d, y, rows, n, k2, block, blocks};
     const int groups = (n + GROUP - 1) / GROUP;
 #pragma omp for schedule(static)
@@ -275,6 +300,8 @@ static void linear_rows(const float *x, int rows, int k, const int8_t *weight, c
 }
 
 static int bad_block(int block) { return block < 2 || block % 2 || block > MAX_BLOCK; }
+
+static int16_t *codes_of(uint8_t *scratch) { return (int16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); }
 
 /* y[rows, n] = the int8 linear of x[rows, k] (weights packed as above, ``n`` channels; scratch of
  * int8_scratch_bytes). With ``norm_weight``, of rms_norm_rows(x, norm_weight, eps, lanes) instead (written to
@@ -284,11 +311,15 @@ int int8_linear(const float *x, int rows, int k, const int8_t *weight, const flo
                 int block, uint8_t *scratch, float *y, const float *residual, const float *norm_weight, float eps,
                 int lanes, float *normed) {
     if (rows < 1 || k < 1 || n < 1 || bad_block(block) || (norm_weight && lanes != 8 && lanes != 16)) return -1;
+    const int shared = rows >= SHARED_ROWS;
+    int16_t *q = codes_of(scratch);
+    float *d = (float *)(q + (size_t)rows * ((k + 1) & ~1));
+    if (!shared) prepare_rows(x, rows, k, norm_weight, eps, lanes, normed, block, q, d, 0);
     /* threads only where there is work to share (a region costs a microsecond or two) */
-#pragma omp parallel if (rows >= 16 || n > 8 * GROUP)
+#pragma omp parallel if (shared || n > 8 * GROUP)
     {
-        if (norm_weight) norm_rows(x, rows, k, norm_weight, eps, lanes, normed);
-        linear_rows(norm_weight ? normed : x, rows, k, weight, scales, bias, n, block, scratch, y, residual);
+        if (shared) prepare_rows(x, rows, k, norm_weight, eps, lanes, normed, block, q, d, 1);
+        product(q, d, rows, k, weight, scales, bias, n, block, y, residual);
     }
     return 0;
 }
@@ -306,12 +337,21 @@ int int8_mlp(const float *x, int rows, int hidden, int inter, const int8_t *w1, 
     if (rows < 1 || hidden < 1 || inter < 1 || bad_block(block) || (silu_lanes != 8 && silu_lanes != 16) ||
         (norm_weight && norm_lanes != 8 && norm_lanes != 16))
         return -1;
+    const int shared = rows >= SHARED_ROWS;
+    int16_t *q = codes_of(scratch);
+    float *d1 = (float *)(q + (size_t)rows * ((hidden + 1) & ~1)), *d2 = (float *)(q + (size_t)rows * ((inter + 1) & ~1));
+    if (!shared) prepare_rows(x, rows, hidden, norm_weight, eps, norm_lanes, normed, block, q, d1, 0);
 #pragma omp parallel
     {
-        if (norm_weight) norm_rows(x, rows, hidden, norm_weight, eps, norm_lanes, normed);
-        linear_rows(norm_weight ? normed : x, rows, hidden, w1, s1, b1, 2 * inter, block, scratch, gate_up, NULL);
-        silu_rows(gate_up, rows, inter, silu_lanes, gated);
-        linear_rows(gated, rows, inter, w2, s2, b2, hidden, block, scratch, y, residual);
+        if (shared) prepare_rows(x, rows, hidden, norm_weight, eps, norm_lanes, normed, block, q, d1, 1);
+        product(q, d1, rows, hidden, w1, s1, b1, 2 * inter, block, gate_up, NULL);
+        if (shared) {
+            gate_rows(gate_up, rows, inter, silu_lanes, gated, block, q, d2, 1);
+        } else {
+#pragma omp single
+            gate_rows(gate_up, rows, inter, silu_lanes, gated, block, q, d2, 0);
+        }
+        product(q, d2, rows, inter, w2, s2, b2, hidden, block, y, residual);
     }
     return 0;
 }
