@@ -1,19 +1,18 @@
 """What int8 costs in quality, read two ways: the answers users read, and averages over text.
 
-For fp32 and each int8 scheme, on each activation path (7-bit: AVX2 kernels; 8-bit: VNNI / AMX kernels, computed
-exactly in float64 where this CPU's kernel would saturate, so both paths are measured on any CPU):
+For fp32 and int8 with each activation block size (``linear.ACTIVATION_BLOCK`` is the default; every CPU computes the
+same integers, so there is one int8 path to measure):
 - the question set (``bench.questions``, 122 short questions with known answers), asked through the engine with the
   model's chat template, greedy, ``--max-tokens`` new tokens: accuracy, the share of answers identical to fp32's,
   and the share that end by ``length`` (a loop or a ramble) rather than ``stop``;
 - teacher-forced over held-out texts (disjoint from the calibration text in ``handler/engine/model/quantize.py``) and
   fp32's own answers: top-1 agreement with fp32, mean KL(fp32 || scheme) per position, perplexity.
 
-    python -m bench.quality [--schemes default,none,all] [--paths 7,8] [--max-tokens 100]
+    python -m bench.quality [--blocks 32,64,128,row] [--max-tokens 100]
 
-A scheme names the Linear layers whose activations are split into 14 bits (``Int8DynamicLinear.split``):
-``default`` (``quantize.SPLIT``), ``none``, ``all``, or a ``+``-joined list of ``qkv``, ``out``, ``gate_up``,
-``down``, ``lm_head``. fp32's answers are computed batched (32 at once); on the machines measured they were the
-same as one at a time.
+A block size is the number of inputs of a row that share one activation scale (``Int8DynamicLinear.block``);
+``row``: one scale for the whole row. fp32's answers are computed batched (32 at once); on the machines measured
+they were the same as one at a time.
 """
 
 from __future__ import annotations
@@ -34,14 +33,14 @@ from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.lean.engine import Engine, LoadedModel, wait_until_ready
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
-from handler.engine.model.linear import describe_cpu
-from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+from handler.engine.model.linear import ACTIVATION_BLOCK, describe_cpu
+from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.types import FinishReason, GenerationRequest, StopConditions
 from handler.prompt.renderer import PromptRenderer
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "model_store" / "smollm2-135m-instruct"
-SITES = ("qkv", "out", "gate_up", "down", "lm_head")
+ROW = 1 << 20  # a block wider than any row: one scale per row
 TEXTS = [
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city and ending "
     "with the fall of Constantinople.",
@@ -64,25 +63,20 @@ class Answer:
     finish: FinishReason
 
 
-def split_sites(name: str) -> frozenset[str]:
-    if name == "default":
-        return SPLIT
-    if name == "none":
-        return frozenset()
-    if name == "all":
-        return frozenset(SITES)
-    sites = frozenset(name.split("+"))
-    if not sites <= set(SITES):
-        raise SystemExit(f"unknown site in {name!r}: sites are {', '.join(SITES)}")
-    return sites
+def block_size(name: str) -> int:
+    if name == "row":
+        return ROW
+    if not name.isdigit() or int(name) % 4:
+        raise SystemExit(f"--blocks: {name!r} is not row or a multiple of 4")
+    return int(name)
 
 
-def build(tokenizer, split: frozenset[str] | None, levels: int | None) -> DecoderModel:
-    """The embedded model in fp32 (``split`` None) or int8 with those sites split and ``levels`` elsewhere."""
+def build(tokenizer, block: int | None) -> DecoderModel:
+    """The embedded model in fp32 (``block`` None) or int8 with activation blocks of ``block`` inputs."""
     model = DecoderModel(MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
-    if split is not None:
+    if block is not None:
         stats = calibrate(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
-        smooth_and_quantize(model, stats, split, levels)
+        smooth_and_quantize(model, stats, block)
     return model
 
 
@@ -158,9 +152,8 @@ def row(name: str, answers: list[Answer], reference: list[Answer], forced: dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schemes", default="default,none,qkv+down",
-                        help="comma-separated: default, none, all, or sites joined by +")
-    parser.add_argument("--paths", default="7,8", help="activation bits of the unsplit layers: 7, 8 or both")
+    parser.add_argument("--blocks", default=str(ACTIVATION_BLOCK),
+                        help="comma-separated activation block sizes (multiples of 4, or row)")
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--save-answers", type=Path, metavar="FILE",
                         help="also write every scheme's answers as JSON ({row name: [text, ...]}), to compare two "
@@ -170,7 +163,7 @@ def main() -> None:
     tokenizer = load_tokenizer(MODEL_DIR)
     print(describe_cpu())
     start = time.monotonic()
-    fp32 = build(tokenizer, None, None)
+    fp32 = build(tokenizer, None)
     reference = answer(fp32, tokenizer, args.max_tokens)
     texts = forced_texts(tokenizer, reference)
     ref_logprobs = [all_logits(fp32, ids).log_softmax(-1) for ids in texts]
@@ -182,17 +175,16 @@ def main() -> None:
           flush=True)
     saved = {"fp32": [a.text for a in reference]}
     del fp32
-    for bits in args.paths.split(","):
-        for scheme in args.schemes.split(","):
-            start = time.monotonic()
-            split = split_sites(scheme)
-            model = build(tokenizer, split, {"7": 128, "8": 256}[bits])
-            answers = answer(model, tokenizer, args.max_tokens)
-            forced = teacher_forced(ref_logprobs, model, texts)
-            label = "+".join(sorted(split)) or "—"
-            print(row(f"int8, {bits}-bit, split: {label}", answers, reference, forced, time.monotonic() - start),
-                  flush=True)
-            saved[f"int8, {bits}-bit, split: {label}"] = [a.text for a in answers]
+    for name in args.blocks.split(","):
+        start = time.monotonic()
+        block = block_size(name)
+        model = build(tokenizer, block)
+        answers = answer(model, tokenizer, args.max_tokens)
+        forced = teacher_forced(ref_logprobs, model, texts)
+        label = "per row" if block == ROW else f"blocks of {block}"
+        label += " (default)" if block == ACTIVATION_BLOCK else ""
+        print(row(f"int8, {label}", answers, reference, forced, time.monotonic() - start), flush=True)
+        saved[f"int8, {label}"] = [a.text for a in answers]
     if args.save_answers:
         args.save_answers.write_text(json.dumps(saved, indent=1, ensure_ascii=False))
 

@@ -78,7 +78,7 @@ LMI_ENTRY_POINTS_REFUSED = {
 # option.quantize values vLLM takes (checkpoints quantised by these methods); the lean engine takes auto, none and
 # dynamic_int8 only
 VLLM_QUANTIZE = ("awq", "gptq", "fp8", "bitsandbytes")
-# the lean engine's int8 Linear layers, by the input they read (option.int8_split)
+# the lean engine's int8 Linear layers, by the input they read (the retired option.int8_split's values)
 INT8_SITES = ("qkv", "out", "gate_up", "down", "lm_head")
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16", "auto": "auto"}
@@ -104,8 +104,8 @@ class Settings(BaseModel):
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
     # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
     quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
-    # int8 (lean engine): the Linear layers whose activations go in at 14 bits (two 7-bit halves) instead of 7 or 8;
-    # auto: all of them (handler/engine/model/quantize.py SPLIT); none; all; or a comma-separated list of sites
+    # retired (the earlier int8 numerics' layers with 14-bit activations): a start that sets it logs a warning and
+    # ignores it (handler/engine/lean/load.py warn_retired); its old values still parse, so old configs start
     int8_split: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # LMI's key: which engine path serves. auto: vLLM when it is installed and the device is CUDA, else the lean
@@ -273,14 +273,6 @@ class Settings(BaseModel):
     @property
     def drafts_by_lookup(self) -> bool:
         return (self.speculative_draft_model or "").strip() in ("ngram", "[ngram]")
-
-    @property
-    def int8_split_sites(self) -> frozenset[str] | None:
-        """``int8_split`` as site names; None: the engine's default (auto)."""
-        if self.int8_split == "auto":
-            return None
-        return frozenset(INT8_SITES if self.int8_split == "all" else () if self.int8_split == "none"
-                         else self.int8_split.split(","))
 
     @property
     def worker_timeout(self) -> int:

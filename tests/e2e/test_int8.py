@@ -33,7 +33,7 @@ def chat(url: str, content: str, max_tokens: int) -> dict:
 
 def test_start_log_names_the_cpu_and_the_int8_path(int8_server: RunningServer) -> None:
     log = int8_server.log()
-    assert "cpu: " in log and "int8: fbgemm u8*s8->s32, " in log and "-bit per-row activations" in log
+    assert "cpu: " in log and "int8: 16-bit activations per block of 128" in log and " kernel" in log
 
 
 def test_an_answer_does_not_depend_on_what_runs_beside_it(int8_server: RunningServer) -> None:

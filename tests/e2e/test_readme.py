@@ -1,9 +1,9 @@
 """The README's first examples, run as they are written there, against the default server twice: as this CPU runs
-it, and as another CPU would (the other int8 activation path forced with ``LLM_INT8_ACTIVATION_BITS``, 8-bit
-activations computed exactly where this CPU's kernel would saturate them; and torch's plain C++ kernels instead of
-its vector ones, ``ATEN_CPU_CAPABILITY=default``, so attention and norms round their last bits differently, as an
-AVX-512 machine's do). Each must answer the question, not only have the right shape: the README's own question was
-a near-tie that 8-bit layers answered wrong under one CPU's rounding and right under another's."""
+it, and as another CPU would (our int8 kernel held to its AVX2 sums, ``LLM_INT8_KERNEL_ISA=avx2``, and torch's plain
+C++ kernels instead of its vector ones, ``ATEN_CPU_CAPABILITY=default``, so attention and norms round their last
+bits differently, as another machine's do). Each must answer the question, not only have the right shape: the
+README's own question is a near-tie that 8-bit activations once answered wrong under one CPU's rounding and right
+under another's."""
 
 from __future__ import annotations
 
@@ -32,22 +32,16 @@ def quick_start_blocks() -> list[tuple[str, str]]:
 BLOCKS = quick_start_blocks()
 
 
-def native_bits() -> int:
-    from handler.engine.model.linear import full_range_is_exact
-
-    return 8 if full_range_is_exact() else 7
-
-
 @pytest.fixture(scope="module", params=["this-cpu", "other-cpu"])
 def readme_server(request: pytest.FixtureRequest, server: RunningServer,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The session's default server, then one with the other activation path and torch's plain kernels."""
+    """The session's default server, then one with our int8 kernel's AVX2 sums and torch's plain kernels."""
     if request.param == "this-cpu":
         yield server
         return
-    other = {"LLM_INT8_ACTIVATION_BITS": str(15 - native_bits()), "ATEN_CPU_CAPABILITY": "default"}
+    other = {"LLM_INT8_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "default"}
     running = start_server(tmp_path_factory.mktemp("other-cpu"), other)
-    assert "torch dispatch DEFAULT" in running.log()
+    assert "torch dispatch DEFAULT" in running.log() and "our AVX2 kernel" in running.log()
     yield running
     stop_server(running)
 
@@ -84,6 +78,6 @@ def test_the_quick_start_has_chat_legacy_stream_and_sdk_blocks() -> None:
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["chat", "legacy", "stream", "openai-sdk"][:len(BLOCKS)])
 def test_readme_example_answers_paris(readme_server: RunningServer, index: int) -> None:
-    assert "14-bit per-row activations (two 7-bit halves: the same integers on every CPU)" in readme_server.log()
+    assert "16-bit activations per block of 128 (the same integers on every CPU)" in readme_server.log()
     answer = answer_of(run_block(*BLOCKS[index], readme_server.url))
     assert "Paris" in answer, answer

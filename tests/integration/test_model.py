@@ -15,7 +15,7 @@ from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.kernels import cpu_flags
 from handler.engine.model.layout import build_layout
-from handler.engine.model.linear import activation_levels, describe_cpu, full_range_is_exact
+from handler.engine.model.linear import describe_cpu
 from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from tests.integration.conftest import DEVICE
 
@@ -172,20 +172,12 @@ def test_the_norm_and_rope_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_
 
 def test_int8_invariance_holds_on_avx2_kernels_too():
     """The same checks with every kernel library held to AVX2 (no VNNI, no AVX-512), so CI proves both paths on
-    whichever CPU it has: fbgemm, ATen's vector kernels, MKL, oneDNN and our kernels each honour their variable."""
+    whichever CPU it has: our int8 kernel, ATen's vector kernels, MKL and oneDNN each honour their variable."""
     if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
-    env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2",
-               MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", LLM_INT8_KERNEL_ISA="avx2",
-               ENGINE_TEST_DEVICE="cpu")
+    env = dict(os.environ, LLM_INT8_KERNEL_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
+               ONEDNN_MAX_CPU_ISA="AVX2", ENGINE_TEST_DEVICE="cpu")
     _invariance_tests_pass(env, timeout=600)
-
-
-def test_int8_invariance_holds_on_the_8_bit_path_on_any_cpu():
-    """The same checks with 8-bit activations forced: VNNI's kernel where this CPU has it, else the exact float64
-    stand-in for it (``linear._exact_int8_linear``), so an AVX2 machine proves the 8-bit path too."""
-    env = dict(os.environ, LLM_INT8_ACTIVATION_BITS="8", ENGINE_TEST_DEVICE="cpu")
-    _invariance_tests_pass(env, timeout=900)
 
 
 def _invariance_tests_pass(env: dict[str, str], timeout: int) -> None:
@@ -194,28 +186,43 @@ def _invariance_tests_pass(env: dict[str, str], timeout: int) -> None:
     tests = [f"{__file__}::test_int8_rows_do_not_depend_on_their_neighbours",
              f"{__file__}::test_int8_decode_row_does_not_depend_on_its_neighbours",
              f"{__file__}::test_int8_decode_row_gives_the_prefill_rows_bits",
-             f"{__file__}::test_avx2_kernels_take_the_7_bit_path"]
+             f"{__file__}::test_the_start_line_names_the_int8_kernel"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "4 passed" in done.stdout
 
 
-def test_avx2_kernels_take_the_7_bit_path():
-    """Held to AVX2, the load-time probe finds full-range u8*s8 products saturating and picks 7-bit activations;
-    on an AVX-512 VNNI CPU left alone it picks 8 bits; ``LLM_INT8_ACTIVATION_BITS`` forces either. Each way the
-    line logged at start names the path, and whether the 8-bit one is computed by the exact stand-in."""
-    levels = activation_levels()
-    forced = os.environ.get("LLM_INT8_ACTIVATION_BITS")
-    if forced:
-        assert levels == {"7": 128, "8": 256}[forced]
-        emulated = "computed exactly in float64" in describe_cpu()
-        assert emulated == (levels == 256 and not full_range_is_exact())
-    elif os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2":
-        assert levels == 128
-    elif "avx512_vnni" in cpu_flags():
-        assert levels == 256  # fbgemm's VNNI kernels (AMX CPUs have them too); AVX-VNNI alone is left to the probe
-    assert f"{'8' if levels == 256 else '7'}-bit per-row activations" in describe_cpu()
+def test_the_start_line_names_the_int8_kernel():
+    """The line logged at start names the activation blocks and the kernel's sums: AVX2's when held to them
+    (``LLM_INT8_KERNEL_ISA=avx2``) or on a CPU without AVX-512 VNNI, VNNI's where the CPU has them."""
+    line = describe_cpu()
+    assert "16-bit activations per block of 128" in line
+    if not {"avx2", "fma"} <= cpu_flags() or os.environ.get("LLM_INT8_KERNEL") == "torch":
+        assert "torch's int8 GEMM" in line
+    elif os.environ.get("LLM_INT8_KERNEL_ISA") == "avx2" or not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags():
+        assert "our AVX2 kernel" in line
+    else:
+        assert "our AVX-512 VNNI kernel" in line
+
+
+def test_the_avx2_and_vnni_sums_give_the_same_logits():
+    """The served int8 model decoding with our kernel's AVX-512 VNNI sums and, in another process, held to its AVX2
+    sums (``LLM_INT8_KERNEL_ISA=avx2``, nothing else changed): the same tokens and the same logits, bit for bit, on
+    a prefill of three prompts and 24 greedy steps of three rows. The activations' integers are the same on every
+    CPU, so the answers are too."""
+    if not {"avx512_vnni", "avx512bw", "avx512vl", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI to compare with AVX2")
+    runs = {}
+    for isa in ("auto", "avx2"):
+        env = dict(os.environ, LLM_INT8_KERNEL_ISA=isa, ENGINE_TEST_DEVICE="cpu")
+        done = subprocess.run([sys.executable, "-c", "from tests.integration.test_model import _greedy_probe; "
+                               "_greedy_probe()"], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[isa] = done.stdout.strip().splitlines()
+    assert runs["auto"][0] == runs["avx2"][0] == "kernels: True"
+    assert runs["auto"][1:] == runs["avx2"][1:]
 
 
 def test_greedy_decoding_with_our_kernels_is_torchs_token_for_token():

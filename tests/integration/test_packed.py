@@ -1,7 +1,7 @@
 """The quantised model an earlier start wrote (``handler.engine.model.packed``) serves the same numbers as one
 quantised at load: every logit bit for bit, prefill and decode; the file is found again only for the same
-checkpoint, split sites and activation levels, in the cache and never in the model folder; a damaged file is
-computed again."""
+checkpoint and the same quantising code, in the cache and never in the model folder; a damaged file is computed
+again."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from handler.engine.lean import load as lean_load
 from handler.engine.model import packed
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
-from handler.engine.model.linear import activation_levels
-from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 
@@ -64,14 +63,13 @@ def fresh(folder: Path, linears: bool = True) -> DecoderModel:
 
 
 def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
-    levels = activation_levels()
     computed = fresh(folder)
-    smooth_and_quantize(computed, calibrate(computed, calibration()), SPLIT)
-    path = packed.path_for(folder, SPLIT, levels)
+    smooth_and_quantize(computed, calibrate(computed, calibration()))
+    path = packed.path_for(folder)
     packed.save(computed, path)
     read = fresh(folder, linears=False)  # as a start builds it when the file is there: no float Linear read
     assert packed.lacks_weights(read)
-    packed.load(read, path, SPLIT, levels)
+    packed.load(read, path)
     assert not packed.lacks_weights(read)
     assert torch.equal(logits(read), logits(computed))
     for mine, theirs in zip(read.layers, computed.layers, strict=True):
@@ -79,17 +77,19 @@ def test_the_written_model_gives_every_logit_bit_for_bit(folder: Path) -> None:
         assert mine.folds.keys() == theirs.folds.keys()
 
 
-def test_the_file_is_found_only_for_the_same_model_and_settings(folder: Path, tmp_path: Path) -> None:
-    first = packed.path_for(folder, SPLIT, 128)
+def test_the_file_is_found_only_for_the_same_model_and_code(folder: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    first = packed.path_for(folder)
     assert first.parent == tmp_path / "int8-cache"  # never in the model folder (the user's; read-only on SageMaker)
-    assert packed.path_for(folder, SPLIT, 128) == first
-    assert packed.path_for(folder, SPLIT, 256) == first  # split sites are the same integers on every CPU
-    assert packed.path_for(folder, frozenset({"down"}), 128) != first
-    assert packed.path_for(folder, frozenset({"down"}), 256) != packed.path_for(folder, frozenset({"down"}), 128)
+    assert packed.path_for(folder) == first
+    with monkeypatch.context() as patch:  # other quantising or packing code: another file
+        patch.setattr(packed, "_SOURCES", (*packed._SOURCES, __file__))
+        assert packed.path_for(folder) != first
+    assert packed.path_for(folder) == first
     config = folder / "config.json"
     config.unlink()
     config.write_text((MODEL_DIR / "config.json").read_text() + "\n")  # the same model, a rewritten file
-    assert packed.path_for(folder, SPLIT, 128) != first
+    assert packed.path_for(folder) != first
 
 
 def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -99,7 +99,7 @@ def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixt
     lean_load._quantize(first, folder, calibration, options)
     assert "written for later starts" in caplog.text
     caplog.clear()
-    assert packed.kept_for(folder, json.loads((folder / "config.json").read_text()), SPLIT) is not None
+    assert packed.kept_for(folder, json.loads((folder / "config.json").read_text())) is not None
     second = fresh(folder, linears=False)
     second = lean_load._quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"),
                                  options, rebuild=lambda: pytest.fail("rebuilt although the file was there"))
@@ -109,23 +109,23 @@ def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixt
 
 def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
     options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
-    path = packed.path_for(folder, SPLIT, activation_levels())
+    path = packed.path_for(folder)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not safetensors")
     model = lean_load._quantize(fresh(folder, linears=False), folder, calibration, options,
                                 rebuild=lambda: fresh(folder))  # a start built it for the file it found
     assert "could not be read" in caplog.text and not packed.lacks_weights(model)
     reference = fresh(folder)
-    smooth_and_quantize(reference, calibrate(reference, calibration()), SPLIT)
+    smooth_and_quantize(reference, calibrate(reference, calibration()))
     assert torch.equal(logits(model), logits(reference))
-    packed.load(fresh(folder), path, SPLIT, activation_levels())  # replaced by a good one
+    packed.load(fresh(folder), path)  # replaced by a good one
 
 
 def test_the_cache_keeps_the_most_recently_used_files(folder: Path, tmp_path: Path) -> None:
     model = fresh(folder)
-    smooth_and_quantize(model, calibrate(model, calibration()), SPLIT)
-    paths = [packed.path_for(folder, frozenset(sites), 128) for sites in
-             (SPLIT, {"down"}, {"qkv"}, {"out"}, {"gate_up"}, {"lm_head"})]
+    smooth_and_quantize(model, calibrate(model, calibration()))
+    first = packed.path_for(folder)
+    paths = [first.with_name(f"{index}-{first.name}") for index in range(6)]  # six folders' or releases' files
     for index, path in enumerate(paths):
         packed.save(model, path)
         os.utime(path, (1000 + index, 1000 + index))  # written in this order

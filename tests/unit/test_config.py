@@ -220,21 +220,28 @@ def test_bad_value_names_key_and_reason(env: dict[str, str], environ: dict[str, 
     assert "\n" not in message
 
 
-@pytest.mark.parametrize(("value", "sites"), [
-    ("auto", None), ("none", frozenset()), ("all", frozenset({"qkv", "out", "gate_up", "down", "lm_head"})),
-    ("down, qkv", frozenset({"qkv", "down"})),
-])
-def test_int8_split_names_the_layers_with_14_bit_activations(env: dict[str, str], value: str,
-                                                            sites: frozenset[str] | None) -> None:
-    assert load_settings({**env, "OPTION_INT8_SPLIT": value}).int8_split_sites == sites
+@pytest.mark.parametrize("value", ["none", "all", "down, qkv"])
+def test_the_retired_int8_settings_start_with_one_warning_each(env: dict[str, str], value: str,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """option.int8_split and LLM_INT8_ACTIVATION_BITS chose the earlier int8 numerics: an old config still starts
+    (fp32 too), each setting named in one warning and ignored."""
+    from handler.engine.lean.load import resolve, warn_retired
 
-
-def test_int8_split_without_int8_is_refused() -> None:
-    from handler.engine.lean.load import resolve
-
-    with pytest.raises(ConfigError, match="option.int8_split='all'.*does not use"):
-        resolve(Settings(int8_split="all", quantize="none"), cuda_available=False)
-    assert resolve(Settings(int8_split="all"), cuda_available=False).quantize
+    settings = load_settings({**env, "OPTION_INT8_SPLIT": value})
+    assert resolve(settings.model_copy(update={"quantize": "none"}), cuda_available=False).quantize is False
+    monkeypatch.delenv("LLM_INT8_ACTIVATION_BITS", raising=False)
+    caplog.set_level("WARNING")
+    warn_retired(load_settings(env))
+    assert caplog.text == ""
+    warn_retired(settings)
+    monkeypatch.setenv("LLM_INT8_ACTIVATION_BITS", "7")
+    warn_retired(load_settings(env))
+    lines = caplog.text.strip().splitlines()
+    assert len(lines) == 2
+    assert "option.int8_split=" in lines[0] and "is retired and ignored" in lines[0]
+    assert "LLM_INT8_ACTIVATION_BITS=7 is retired and ignored" in lines[1]
+    assert all("16-bit codes per block of 128" in line for line in lines)
 
 
 @pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model"])

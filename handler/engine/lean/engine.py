@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -82,7 +81,6 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self._ready = threading.Event()
         self._stopping = threading.Event()
-        self._idle = threading.Event()  # set once the engine has waited a whole poll for work (``_pack_deferred``)
         self._stop_reason: str | None = None
         self.load_error: str | None = None
         self.admission = admission    # replaceable while running: admission control reads it each time
@@ -229,7 +227,6 @@ class Engine:
             return
         self._on_ready()
         self._ready.set()
-        threading.Thread(target=_pack_deferred, args=(self._idle,), name="int8-pack", daemon=True).start()
         idle_since: float | None = time.monotonic()
         while not self._stopping.is_set():
             try:
@@ -245,10 +242,7 @@ class Engine:
     def _turn(self, loop: StepLoop, idle_since: float | None) -> float | None:
         """One turn of the engine thread: take what was submitted, step, report; when the KV space has been idle
         long enough, give its memory back. Returns since when nothing has run (None: something is running)."""
-        if self._drain_inbox(block=not loop.has_work):
-            self._idle.set()  # a whole poll with nothing to do: the packing thread may run
-        else:
-            self._idle.clear()
+        self._drain_inbox(block=not loop.has_work)
         batch_size = loop.step() if loop.has_work else 0
         self._report(batch_size)
         if loop.has_running:
@@ -273,19 +267,19 @@ class Engine:
             self.load_error = f"engine stopped after an error: {type(error).__name__}: {error}"
             return False
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Take what was submitted (``block``: waiting up to half a second for it); whether nothing came in a wait."""
+    def _drain_inbox(self, block: bool) -> None:
+        """Take what was submitted (``block``: waiting up to half a second for it)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return block
+            return
         try:
             while True:
                 if item is not None:
                     self._take(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
-            return False
+            return
 
     def _take(self, item: RequestState | EmbeddingJob) -> None:
         """One submitted item into the step loop; one that cannot join fails alone, with an error event."""
@@ -320,29 +314,3 @@ def wait_until_ready(engine: Engine, timeout: float) -> None:
     while not engine.wait_ready(0.1):
         if engine.load_error or not engine.is_alive or time.monotonic() > deadline:
             raise EngineError(f"model failed to load: {engine.load_error or 'timed out'}")
-
-
-def _pack_deferred(idle: threading.Event) -> None:
-    """fbgemm's packing of the int8 layers, which a start leaves until the engine is ready (``linear.pack_one``; only
-    batches of ``FBGEMM_ROWS`` or more use it, and one that comes first packs its layers itself). One layer at a time
-    while the engine is idle, at nice 19: packing beside requests made them slower, at the engine's priority
-    (measured: one stream's first two answers 0.83 -> 1.2 s each) and at nice 19 too (one stream's token gaps p95 19
-    ms against 10 at p50, bench.run right after a start: the two cores are the engine's)."""
-    from handler.engine.model.linear import pack_one
-
-    try:  # the lowest CPU priority, for this thread only (Linux)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: it packs at the engine's priority
-        pass
-    count, busy = 0, 0.0
-    try:
-        while idle.wait():
-            started = time.monotonic()
-            if not pack_one():
-                break
-            count, busy = count + 1, busy + time.monotonic() - started
-    except Exception:  # the layers stay on the kernel, which gives the same answers, only slower for long prompts
-        log.exception("int8: packing the layers for fbgemm failed")
-        return
-    if count:
-        log.info("int8: packed %d layers for fbgemm's GEMM in %.1f s, while the engine was idle", count, busy)

@@ -29,9 +29,9 @@ from handler.engine.model import packed, vision
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.family import load_state_dict, read_config
 from handler.engine.model.kv_cache import whole_blocks
-from handler.engine.model.linear import activation_levels, describe_cpu
+from handler.engine.model.linear import ACTIVATION_BLOCK, describe_cpu
 from handler.engine.model.lora import enable_adapters, load_adapter
-from handler.engine.model.quantize import CALIBRATION_TEXT, SPLIT, calibrate, smooth_and_quantize
+from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.encoder_runner import EncoderRunner
@@ -74,7 +74,6 @@ class LoadOptions:
     max_model_len: int
     rolling_batch: str = "lean"  # option.rolling_batch: "auto" | "lean" | "transformers"
     quantize_asked: bool = False  # int8 named explicitly (not only auto's CPU default)
-    int8_split: frozenset[str] | None = None  # layers with 14-bit activations (option.int8_split); None: SPLIT
     kv_memory: KVMemory = KVMemory()
     speculation: SpeculationOptions | None = None
     lora: LoraOptions | None = None   # option.enable_lora: serve LoRA adapters
@@ -118,10 +117,21 @@ def resolve(settings: Settings, cuda_available: bool) -> Resolved:
         settings.quantize == "auto" and device == "cpu" and dtype == "float32")
     if quantize and (device != "cpu" or dtype != "float32"):
         raise ConfigError("option.quantize='dynamic_int8' needs option.device=cpu and option.dtype=float32")
-    if settings.int8_split != "auto" and not quantize:
-        raise ConfigError(f"option.int8_split={settings.int8_split!r} shapes the lean engine's int8, which this "
-                          "start does not use (option.quantize=none, or not fp32 on CPU)")
     return Resolved(device, dtype, quantize)
+
+
+def warn_retired(settings: Settings) -> None:
+    """The settings of the int8 activations' earlier numerics (14-bit rows split in two 7-bit halves, or 7 or 8 bits
+    per row by CPU), retired: one warning each where set, and ignored. Every layer's activations now take 16-bit
+    codes per block of ``ACTIVATION_BLOCK`` inputs, the same integers on every CPU, in one pass: the answers ``all``
+    gave, faster than ``none`` ran."""
+    why = (f"the int8 layers' activations are 16-bit codes per block of {ACTIVATION_BLOCK} inputs, the same integers "
+           "on every CPU, in one pass (README: Numerics)")
+    if settings.int8_split != "auto":
+        log.warning("option.int8_split=%s is retired and ignored: %s", settings.int8_split, why)
+    if os.environ.get("LLM_INT8_ACTIVATION_BITS"):
+        log.warning("LLM_INT8_ACTIVATION_BITS=%s is retired and ignored: %s", os.environ["LLM_INT8_ACTIVATION_BITS"],
+                    why)
 
 
 def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[PromptParts, str, str], object],
@@ -130,9 +140,10 @@ def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[Promp
     if num_threads:
         torch.set_num_threads(num_threads)
     resolved = resolve(settings, torch.cuda.is_available())
+    warn_retired(settings)
     options = LoadOptions(settings.model_dir, resolved.dtype, resolved.quantize, resolved.device,
                           limits.max_running, limits.max_model_len, settings.rolling_batch,
-                          settings.quantize == "dynamic_int8", int8_split=settings.int8_split_sites,
+                          settings.quantize == "dynamic_int8",
                           kv_memory=KVMemory(settings.kv_cache_memory, settings.gpu_memory_utilization,
                                              settings.workers, settings.enable_prefix_caching),
                           speculation=speculation_options(settings),
@@ -207,9 +218,8 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     loader.start()
     device = torch.device(options.device)
     with _sharing_cores(loader):
-        split = SPLIT if options.int8_split is None else options.int8_split
         # with the int8 form an earlier start wrote, the Linears' float weights are never read
-        kept = packed.kept_for(options.model_dir, config, split) if options.quantize else None
+        kept = packed.kept_for(options.model_dir, config) if options.quantize else None
         model, encoder = _load_model(options.model_dir, config, DTYPES[options.dtype], device, options.max_model_len,
                                      linears=kept is None)
         if options.quantize:
@@ -217,7 +227,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
                               lambda: calibration_ids(options.model_dir, loader, result), options,
                               rebuild=lambda: _load_model(options.model_dir, config, DTYPES[options.dtype], device,
                                                           options.max_model_len)[0])
-            log.info(describe_cpu(split))
+            log.info(describe_cpu())
     weights_s = time.monotonic() - started
     loader.join()
     tokenizer = result["tokenizer"]
@@ -301,26 +311,24 @@ def load_speculation(options: LoadOptions, model: DecoderModel, runner: ModelRun
 
 def _quantize(model: DecoderModel, model_dir: Path, calibration: Callable[[], list[int]],
               options: LoadOptions, rebuild: Callable[[], DecoderModel] | None = None) -> DecoderModel:
-    """int8 as option.int8_split says, smoothed on the calibration tokens (the model's, and a draft's): read from the
+    """int8, smoothed on the calibration tokens (the model's, and a draft's): read from the
     form an earlier start wrote (``packed``), else computed and written for the next start. Returns the model:
     ``model`` itself, or, when it was built without its Linears' weights and the file could not be read, the
     model ``rebuild`` reads whole, quantised."""
-    split = SPLIT if options.int8_split is None else options.int8_split
     if not packed.supports(model):
-        smooth_and_quantize(model, calibrate(model, calibration()), split)
+        smooth_and_quantize(model, calibrate(model, calibration()))
         return model
-    levels = activation_levels()
-    path = packed.path_for(model_dir, split, levels)
+    path = packed.path_for(model_dir)
     if path.is_file():
         try:
-            packed.load(model, path, split, levels)
+            packed.load(model, path)
             log.info("int8: read the quantised model written by an earlier start (%s)", path)
             return model
         except Exception as error:  # a damaged file: compute it again and replace it
             log.warning("int8: %s could not be read (%s); quantising again", path, error)
     if packed.lacks_weights(model):
         model = rebuild()
-    smooth_and_quantize(model, calibrate(model, calibration()), split)
+    smooth_and_quantize(model, calibrate(model, calibration()))
     try:
         packed.save(model, path)
         log.info("int8: quantised model written for later starts (%s)", path)
@@ -355,8 +363,8 @@ def _load_encoder(options: LoadOptions, config: dict,
                   load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
     """An encoder checkpoint (BERT and its kin): embeddings only, through its transformers model in fp32 (int8 is the
     lean decoder's); an embedding pipeline this server does not run is a start error."""
-    if options.quantize_asked or options.int8_split is not None:
-        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean decoder's; an "
+    if options.quantize_asked:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean decoder's; an "
                                "encoder serves option.dtype")
     if options.speculation is not None:
         raise UnsupportedModel("option.speculative_draft_model: an encoder does not generate")
@@ -423,8 +431,8 @@ def _choose_vision_path(options: LoadOptions, config: dict) -> tuple[str, str]:
 def _load_reference(options: LoadOptions, load_full_tokenizer: Callable[[], object],
                     reason: str) -> tuple[LoadedModel, PromptParts]:
     """The checkpoint's own transformers model behind our engine (``runners.hf_runner``); fp32 on CPU, never int8."""
-    if options.quantize_asked or options.int8_split is not None:
-        raise UnsupportedModel("int8 (option.quantize=dynamic_int8, option.int8_split) is the lean path's; the "
+    if options.quantize_asked:
+        raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean path's; the "
                                "transformers path serves option.dtype")
     tokenizer = load_full_tokenizer()  # one thread imports transformers here
     is_vision = vision.is_vision_model(read_config(options.model_dir))

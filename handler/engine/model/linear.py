@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from handler.config import INT8_SITES
-from handler.engine.model.kernels import KERNEL_ROWS, NORM_WIDTHS, cpu_flags, int8_kernel
+from handler.engine.model.kernels import GROUP, NORM_WIDTHS, cpu_flags, fused_silu_mul, int8_kernel
+
+# Inputs per activation block: each row's activations are quantised to 16-bit codes per block of this many, with one
+# scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
+ACTIVATION_BLOCK = 128
+CODE_MAX = 32767.0  # int8_linear.c's CODE_MAX: activation codes lie in [-CODE_MAX, CODE_MAX]
+MAX_BLOCK = 512  # int8_linear.c's MAX_BLOCK: a block's int32 sums stay exact (512 * 32767 * 127 < 2^31)
 
 
 class DenseLinear:
@@ -25,296 +25,170 @@ class DenseLinear:
 
 
 class Int8DynamicLinear:
-    """Per-channel int8 weights, activations quantised per row onto an exact grid (fbgemm's integer GEMM); fp32 in
-    and out. CPU only.
+    """Per-channel int8 weights in [-127, 127]; each row's activations quantised symmetrically to 16-bit integer codes
+    in [-32767, 32767] per block of ``block`` inputs (one scale per block, ``max|x| / 32767``), multiplied in one
+    integer pass; fp32 in and out. CPU only.
 
-    Why a row cannot depend on its neighbours, on any x86 kernel: each row is mapped affinely onto the integers
-    ``k`` in ``-G..G-1`` (``G = levels / 2``), so ``x ~ c + s * k`` with per-row ``c`` and ``s``, hence
-    ``W x = s * (W k) + c * rowsum(W)``. ``k`` is already rounded here, by elementwise torch ops, and a constant
-    sentinel row holding ``-G`` and ``G - 1`` makes fbgemm choose exactly scale 1 and zero point ``G`` for the
-    whole tensor. Quantising an integer with scale 1 is exact however the kernel does it (multiply by the inverse
-    or divide, vector body or scalar tail), the integer GEMM is exact (integer sums do not depend on blocking),
-    and the float epilogue is elementwise.
+    Why a row's answer depends on nothing but the row, on any x86 CPU: each block's integer sum is exact however a
+    kernel sums it (AVX2's vpmaddwd and AVX-512 VNNI's vpdpwssd multiply 16-bit pairs into int32 without rounding or
+    saturating, and a block's sum stays below 2^31: ``MAX_BLOCK``), and the float steps after it (each block's scale
+    times its sum, added block by block; times the channel's scale; the bias; the residual) are fixed IEEE
+    operations per (row, channel), the same in our C kernel (``kernels/int8_linear.c``, every row count) and in
+    ``reference_linear`` (torch ops, where the kernel cannot run).
 
-    ``levels`` is 128 (7-bit activations, ``reduce_range``) where pairs of u8*s8 products are summed into int16
-    (AVX2 without VNNI: 255*128*2 would saturate) and 256 where the kernel is proven exact at load
-    (``activation_levels``: VNNI / AMX machines).
-
-    ``split``: 14-bit activations on every CPU (every layer by default: ``quantize.SPLIT``). Each row's ``k`` lies in
-    ``-8256..8127`` and is written as ``128 * h + l`` with both halves in ``-64..63``; the halves go through one
-    7-bit GEMM as extra rows (the weights are read once) and are recombined elementwise, so the same integers are
-    multiplied on an AVX2 and a VNNI machine.
+    Why 16-bit codes rather than 8: the activations then cost nothing measurable beyond the int8 weights' own
+    rounding, so answers that hang on a near-tie do not turn on the last bits of the float kernels around the layer
+    (attention, norms), which differ between CPUs (README "Numerics"); and on AVX2 a 16-bit pair product is one
+    instruction where a signed 8-bit one takes three.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
-                 levels: int | None = None) -> None:
-        """``levels``: 128 or 256, this CPU's (``activation_levels``) when None."""
-        self._setup(*_quantise_weight(weight), bias, split, levels)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None = None) -> None:
+        """``block``: inputs per activation block (``ACTIVATION_BLOCK`` when None)."""
+        self._setup(*_quantise_weight(weight), bias, block)
 
     @classmethod
-    def from_int8(cls, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool = False,
-                  levels: int | None = None,
-                  sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8DynamicLinear:
-        """The layer of weights already quantised (``int8_weight``'s pair, as ``packed`` keeps them); ``sums``:
-        its ``(row_sums, col_sums)`` as an earlier layer of the same weights computed them (``sums``)."""
+    def from_int8(cls, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  block: int | None = None) -> Int8DynamicLinear:
+        """The layer of weights already quantised (``int8_weight``'s pair)."""
         layer = cls.__new__(cls)
-        layer._setup(int8, scales, bias, split, levels, sums)
+        layer._setup(int8, scales, bias, block)
         return layer
 
-    def _setup(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, split: bool,
-               levels: int | None, sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.split = split
-        self.levels = 128 if split else levels or activation_levels()
-        self.row_sums = _row_sums(int8, scales) if sums is None else sums[0]
-        # the split path's few-row kernel (``kernels``) reads the int8 weights as they are, with their scales
-        self.kernel = int8_kernel() if split and int8.device.type == "cpu" else None
-        self._packed = None
-        self._pack_lock = threading.Lock()
-        self.bias = None if bias is None else bias.float()
-        if self.kernel is not None:
-            self.int8, self.scales = int8, scales.double().float()
-            self.col_sums = int8.sum(dim=1, dtype=torch.int32) if sums is None else sums[1]
-            # fbgemm's packing waits (``packed``, ``pack_one``): it was a third of a start's load, and only batches of
-            # FBGEMM_ROWS or more need it (fewer take the kernel in blocks of its rows, with the same bits)
-            with _DEFERRED_LOCK:
-                _DEFERRED.add(self)
-            self._kernel_rows = self.kernel.bind(self.int8, self.col_sums, self.scales, self.row_sums, self.bias)
-        else:
-            self._packed = _prepack(int8, scales)
-        self.sentinel = torch.zeros(int8.shape[1])
-        self.sentinel[0], self.sentinel[-1] = -(self.levels // 2), self.levels // 2 - 1
-        # 8-bit activations asked for on a CPU whose kernel would saturate them: the same numbers, computed exactly
-        # from the int8 weights in float64 (``_exact_int8_linear``), slowly
-        self.exact = (int8.double().T.contiguous(), scales.double().float()) if (
-            self.levels == 256 and not full_range_is_exact()) else None
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, in_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+                    block: int | None = None) -> Int8DynamicLinear:
+        """The layer of weights already packed (``packed``'s tensor, as ``model.packed`` keeps it)."""
+        layer = cls.__new__(cls)
+        layer._setup_packed(packed, in_features, scales, bias, block)
+        return layer
 
-    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``from_int8`` would compute again from the int8 weights: the dequantised row sums fbgemm's centre
-        term uses, and the int8 sums the kernel's offset uses (``packed.save`` keeps them: a start is spared
-        computing them)."""
-        col_sums = self.col_sums if self.kernel is not None else self.int8_weight()[0].sum(dim=1, dtype=torch.int32)
-        return self.row_sums, col_sums
+    def _setup(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, block: int | None) -> None:
+        self._setup_packed(pack(int8), int8.shape[1], scales, bias, block)
 
-    @property
-    def packed(self) -> torch.classes.quantized.LinearPackedParamsBase:
-        """fbgemm's packed weight (packed on first use where the kernel let it wait)."""
-        if self._packed is None:
-            with self._pack_lock:
-                if self._packed is None:
-                    self._packed = _prepack(self.int8, self.scales)
-        return self._packed
+    def _setup_packed(self, packed: torch.Tensor, in_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+                      block: int | None) -> None:
+        self.block = block or ACTIVATION_BLOCK
+        if self.block % 2 or not 0 < self.block <= MAX_BLOCK:
+            raise ValueError(f"an activation block is an even number of inputs up to {MAX_BLOCK}, not {self.block}")
+        self.packed, self.in_features = packed, in_features
+        self.out_features = scales.shape[0]
+        self.scales = scales.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.kernel = int8_kernel() if packed.device.type == "cpu" else None
+        self._kernel_call = None if self.kernel is None else self.kernel.bind(
+            self.packed, self.in_features, self.scales, self.bias, self.block)
+        self._mlp: tuple[Int8DynamicLinear, object] | None = None  # ``fused_mlp``'s down layer and bound call
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 weights ``[out, in]`` and their fp32 per-channel scales."""
-        if self.kernel is not None:
-            return self.int8, self.scales
-        weight, _bias = torch.ops.quantized.linear_unpack(self.packed)
-        return weight.int_repr(), weight.q_per_channel_scales().float()
+        return unpack(self.packed, self.out_features, self.in_features), self.scales
 
     def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
               norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
         """``residual + self(rms_norm(x, weight, eps))`` in one kernel call (each part where given; ``norm``:
         ``(weight, eps, lanes)``, the norm ``kernels.fused_rms_norm`` computes with those lanes), the same bits as the
         ops one by one; None where the kernel does not take these rows (the caller runs the ops)."""
-        if self.kernel is None or not 0 < x.shape[0] <= KERNEL_ROWS or x.dtype is not torch.float32 or x.dim() != 2:
+        if self.kernel is None or x.shape[0] == 0 or x.dtype is not torch.float32 or x.dim() != 2:
             return None
         if residual is not None and not (residual.dtype is torch.float32 and residual.is_contiguous()
-                                         and residual.shape == (x.shape[0], self.int8.shape[0])):
+                                         and residual.shape == (x.shape[0], self.out_features)):
             return None
         if norm is not None and not (norm[0].dtype is torch.float32 and norm[0].is_contiguous()
                                      and norm[0].shape == (x.shape[1],) and x.shape[1] in NORM_WIDTHS):
             return None
-        return self._kernel_rows(x, residual, norm)
+        return self._kernel_call(x, residual, norm)
+
+    def fused_mlp(self, down: Int8DynamicLinear, x: torch.Tensor, residual: torch.Tensor | None = None,
+                  norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
+        """A gated MLP whose gate_up is this layer: ``residual + down(silu(gate) * up)`` of ``self(rms_norm(x))``
+        in one kernel call (``residual`` and ``norm`` as ``fused``'s), SiLU as ``kernels.fused_silu_mul`` computes
+        it: the same bits as the calls one by one; None where the kernel does not take it."""
+        silu = fused_silu_mul()
+        if (silu is None or self.kernel is None or down.kernel is not self.kernel or down.block != self.block
+                or 2 * down.in_features != self.out_features or x.shape[0] == 0 or x.dtype is not torch.float32
+                or x.dim() != 2):
+            return None
+        if residual is not None and not (residual.dtype is torch.float32 and residual.is_contiguous()
+                                         and residual.shape == (x.shape[0], down.out_features)):
+            return None
+        if norm is not None and not (norm[0].dtype is torch.float32 and norm[0].is_contiguous()
+                                     and norm[0].shape == (x.shape[1],) and x.shape[1] in NORM_WIDTHS):
+            return None
+        if self._mlp is None or self._mlp[0] is not down:
+            self._mlp = (down, self.kernel.bind_mlp((self.packed, self.scales, self.bias),
+                                                    (down.packed, down.scales, down.bias), self.block, silu.lanes))
+        return self._mlp[1](x, residual, norm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.shape[0] < FBGEMM_ROWS:
-            if x.shape[0] <= KERNEL_ROWS:
-                return self._kernel_rows(x)
-            return torch.cat([self._kernel_rows(x[i:i + KERNEL_ROWS]) for i in range(0, x.shape[0], KERNEL_ROWS)])
-        if self.split:
-            y = _split_int8_linear(x, self.packed, self.row_sums, self.sentinel)
-        elif self.exact is not None:
-            y = _exact_int8_linear(x, *self.exact, self.row_sums)
-        else:
-            y = _int8_linear(x, self.packed, self.row_sums, self.sentinel, self.levels)
-        return y if self.bias is None else y.add_(self.bias)
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        if self._kernel_call is not None and x.dtype is torch.float32:
+            return self._kernel_call(x)
+        return reference_linear(x.float(), *self.int8_weight(), self.bias, self.block)
 
 
 def _quantise_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output channel: int8 values (round to nearest) and fp32 scales ``max|w| / 127``."""
+    """Per output channel: int8 values in [-127, 127] (round half to even) and fp32 scales ``max|w| / 127``."""
     weight = weight.float()
     scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-    # the same int8 values as torch.quantize_per_channel, in a third of the time (start-up)
-    return torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8), scales
+    return torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
-# From this many rows a kernel layer takes fbgemm's GEMM (packing it first where it waits, ~7 ms for one of the
-# embedded model's Linears, 0.25 s for its head); below, the kernel 8 rows at a time, which reads the weights once per
-# 8 rows and still beat fbgemm (the same bits either way). Measured here (Intel, AVX-512 VNNI, 2 threads), the
-# embedded model's whole step, kernel against fbgemm: decode batches of 16 rows 41.3 / 49.9 ms, 24: 60.6 / 63.8,
-# 32: 83.6 / 79.7; prefill chunks of 15 rows 34 / 45 ms, 30: 63 / 59, 60: 124 / 103.
-FBGEMM_ROWS = 32
-# kernel layers whose fbgemm packing waits, until ``pack_one`` packs them
-_DEFERRED: weakref.WeakSet = weakref.WeakSet()
-_DEFERRED_LOCK = threading.Lock()
+def pack(int8: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` int8 weights as the kernel reads them: groups of ``GROUP`` output channels, each group's inputs
+    in steps of 2, ``[groups, in2 / 2, GROUP, 2]`` (zero-padded to whole groups and steps)."""
+    out_features, in_features = int8.shape
+    groups, in2 = -(-out_features // GROUP), -(-in_features // 2) * 2
+    padded = int8
+    if (groups * GROUP, in2) != (out_features, in_features):
+        padded = int8.new_zeros(groups * GROUP, in2)
+        padded[:out_features, :in_features] = int8
+    return padded.view(groups, GROUP, in2 // 2, 2).transpose(1, 2).contiguous()
 
 
-def pack_one() -> bool:
-    """Pack one kernel layer whose fbgemm packing waits (the lean engine's packing thread calls it while the engine
-    is idle; fbgemm's packing releases the GIL); whether there was one."""
-    with _DEFERRED_LOCK:
-        layer = _DEFERRED.pop() if _DEFERRED else None
-    if layer is None:
-        return False
-    layer.packed  # noqa: B018 (packs it)
-    return True
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """``pack``'s inverse: the ``[out, in]`` int8 weights."""
+    groups, steps = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(groups * GROUP, steps * 2)[:out_features, :in_features].contiguous()
 
 
-def _pack(weight: torch.Tensor) -> tuple[torch.classes.quantized.LinearPackedParamsBase, torch.Tensor]:
-    """fbgemm's packed per-channel int8 weight, and its row sums as the kernel sees them (dequantised), so the
-    centre term ``c * rowsum(W)`` matches the integer product exactly."""
-    int8, scales = _quantise_weight(weight)
-    return _prepack(int8, scales), _row_sums(int8, scales)
+def quantise_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[rows, k]`` fp32 as the kernel quantises it: codes ``[rows, blocks * block]`` (int16 in
+    [-CODE_MAX, CODE_MAX], zero past k) and each block's scale ``[rows, blocks]`` (``max|x| / CODE_MAX``; a code is
+    ``round(x * (1 / scale))``, half to even, 0 where the scale is 0)."""
+    rows, k = x.shape
+    blocks = -(-k // block)
+    padded = F.pad(x, (0, blocks * block - k)).view(rows, blocks, block)
+    scale = padded.abs().amax(dim=-1) / CODE_MAX  # [rows, blocks]
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round(padded * inverse[..., None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int16)
+    return codes.view(rows, blocks * block), scale
 
 
-def _quantised(int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The weights as torch's per-channel quantised tensor (what fbgemm packs)."""
-    zero_points = torch.zeros(int8.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # quantised tensor creation is deprecated upstream but still shipped
-        return torch._make_per_channel_quantized_tensor(int8, scales.double(), zero_points, 0)
+def reference_linear(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     block: int) -> torch.Tensor:
+    """The int8 Linear in torch ops, the kernel's bits (``kernels/int8_linear.c``): each block's integer sums, exact
+    in float64 (every partial sum an integer below 2^53: ``MAX_BLOCK``), then the same float steps in the same
+    order. Where the kernel cannot run, and the tests' reference."""
+    rows, k = x.shape
+    codes, block_scales = quantise_activations(x, block)
+    acc = torch.zeros(rows, int8.shape[0])
+    for b in range(block_scales.shape[1]):
+        weight = int8[:, b * block:(b + 1) * block].double()
+        sums = codes[:, b * block:b * block + weight.shape[1]].double() @ weight.T  # [rows, out], exact
+        acc = acc + block_scales[:, b:b + 1] * sums.float()
+    y = acc * scales
+    return y if bias is None else y + bias
 
 
-def _prepack(int8: torch.Tensor, scales: torch.Tensor) -> torch.classes.quantized.LinearPackedParamsBase:
-    """fbgemm's packed form of weights already quantised."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ops.quantized.linear_prepack(_quantised(int8, scales), None)
-
-
-def _row_sums(int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Each output channel's dequantised weights summed, as fbgemm's weights are (``_pack``)."""
-    return _quantised(int8, scales).dequantize().sum(dim=1)
-
-
-def _exact_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 weight as float64 ``[in, out]`` and its scales as fbgemm applies them (fp32)."""
-    int8, scales = _quantise_weight(weight)
-    return int8.double().T.contiguous(), scales.double().float()
-
-
-def _activation_grid(x: torch.Tensor, levels: int, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row ``step`` and ``centre``: ``x`` spans ``centre + step * k`` for ``k`` in ``-offset..levels-1-offset``."""
-    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
-    step = (high - low).mul_(1.0 / (levels - 1)).clamp_(min=1e-9)
-    return step, low.add_(step * offset)
-
-
-@torch.jit.script
-def _int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, row_sums: torch.Tensor,
-                 sentinel: torch.Tensor, levels: int) -> torch.Tensor:
-    """The per-call work of ``Int8DynamicLinear``, scripted: a dozen small ops per call cost ~130 us of Python
-    dispatch at batch 1 (more than the GEMM itself); TorchScript runs them for a quarter of that."""
-    rows = x.shape[0]
-    grid = float(levels // 2)
-    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [rows, 1] (aminmax: 10x slower)
-    step = (high - low).mul_(1.0 / (levels - 1)).clamp_(min=1e-9)
-    centre = low.add_(step * grid)  # x = centre + step * k, k = q - G an integer in -G..G-1
-    scaled = torch.empty(rows + 1, x.shape[1], dtype=x.dtype)
-    torch.sub(x, centre, out=scaled[:rows])
-    # k = round((x - centre) / step) (the extremes land on -G and G-1): an integer, so with scale 1 every kernel
-    # quantises it back to q = k + G exactly
-    scaled[:rows].div_(step).round_()
-    scaled[rows].copy_(sentinel)
-    y = torch.ops.quantized.linear_dynamic(scaled, packed, levels == 128)[:rows]
-    return y.mul_(step).addcmul_(centre, row_sums)  # x = centre + step * k
-
-
-@torch.jit.script
-def _split_int8_linear(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
-                       row_sums: torch.Tensor, sentinel: torch.Tensor) -> torch.Tensor:
-    """``_int8_linear`` with 14-bit activations as two 7-bit halves (``Int8DynamicLinear.split``): the rows of
-    ``h`` then of ``l`` then the 7-bit sentinel go through one GEMM; ``W k = 128 * (W h) + W l``, each product
-    exact in int32 and its float within one rounding, recombined per element."""
-    rows = x.shape[0]
-    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    step = (high - low).mul_(1.0 / 16383.0).clamp_(min=1e-9)
-    centre = low.add_(step * 8256.0)  # k in -8256..8127
-    stacked = torch.empty(2 * rows + 1, x.shape[1], dtype=x.dtype)
-    shifted = torch.sub(x, centre, out=stacked[rows:2 * rows]).div_(step).round_().add_(64.0)  # k + 64
-    high_half = torch.div(shifted, 128.0, rounding_mode="floor", out=stacked[:rows])  # h in -64..63
-    shifted.sub_(high_half * 128.0).sub_(64.0)  # l = k - 128 h in -64..63, in place
-    stacked[2 * rows].copy_(sentinel)
-    y = torch.ops.quantized.linear_dynamic(stacked, packed, True)
-    return y[:rows].mul_(128.0).add_(y[rows:2 * rows]).mul_(step).addcmul_(centre, row_sums)
-
-
-def _exact_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                       row_sums: torch.Tensor) -> torch.Tensor:
-    """What fbgemm's full-range kernel returns on a VNNI machine (``float(W k) * scale``, ``W k`` exact), with the
-    integer product taken in float64 (exact below 2^53): for ``LLM_INT8_ACTIVATION_BITS=8`` on a CPU whose kernel
-    would saturate. Checked bit for bit against fbgemm wherever fbgemm is exact (``tests/unit/test_linear.py``)."""
-    step, centre = _activation_grid(x, 256, 128.0)
-    k = torch.sub(x, centre).div_(step).round_()
-    y = (k.double() @ weight).float().mul_(scales)
-    return y.mul_(step).addcmul_(centre, row_sums)
-
-
-_LEVELS: int | None = None
-_EXACT: bool | None = None
-
-
-def activation_levels() -> int:
-    """256 when fbgemm's full-range u8*s8 GEMM is exact on this CPU (checked once on the worst case: every
-    activation 255 against weights of -128 and 127), else 128. ``LLM_INT8_ACTIVATION_BITS`` forces either: 7, or 8
-    (computed exactly, slowly, where the kernel would saturate: tests prove the 8-bit path's answers on any CPU)."""
-    global _LEVELS
-    if _LEVELS is None:
-        forced = os.environ.get("LLM_INT8_ACTIVATION_BITS")
-        _LEVELS = {"7": 128, "8": 256}.get(forced or "", 256 if full_range_is_exact() else 128)
-    return _LEVELS
-
-
-def full_range_is_exact() -> bool:
-    """Whether fbgemm's u8*s8 GEMM is exact on full-range activations here (no int16 pair saturation)."""
-    global _EXACT
-    if _EXACT is None:
-        _EXACT = _full_range_is_exact()
-    return _EXACT
-
-
-def _full_range_is_exact() -> bool:
-    k = 256
-    weight = torch.full((16, k), 1.0)
-    weight[8:] = -128.0 / 127.0  # per-channel scale 1/127: int8 weights 127 and -128
-    packed, _ = _pack(weight)
-    expected = torch.tensor([255.0 * 127.0 * (k - 1), -255.0 * 128.0 * (k - 1)]) / (255.0 * 127.0)
-    for rows in (1, 5, 64):  # kernels may differ by batch size
-        x = torch.ones(rows, k)
-        x[:, 0] = 0.0  # range [0, 1]: scale 1/255, every other activation quantises to 255
-        y = torch.ops.quantized.linear_dynamic(x, packed, False)
-        if not torch.allclose(y[:, [0, 8]], expected.expand(rows, 2), rtol=1e-6, atol=0.0):
-            return False
-    return True
-
-
-def describe_cpu(split: frozenset[str] | None = None) -> str:
-    """One line for the start-up log: the CPU features that decide the int8 kernel, the path chosen, and (given)
-    the layers whose activations are split into 14 bits."""
+def describe_cpu() -> str:
+    """One line for the start-up log: the CPU features that decide the int8 kernel, and the path chosen."""
     flags = cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f in flags]
-    levels = activation_levels()
-    emulated = " (computed exactly in float64: this CPU's kernel would saturate them; slow)" if (
-        levels == 256 and not full_range_is_exact()) else ""
-    head = (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
-            "fbgemm u8*s8->s32, ")
-    row_bits = f"{'8' if levels == 256 else '7'}-bit per-row activations on an exact grid{emulated}"
-    found = int8_kernel() if split else None
-    kernel = (f"; split layers take up to {KERNEL_ROWS} rows through our "
-              f"{'AVX-512 VNNI' if found.vnni else 'AVX2'} kernel" if found else "")
-    if split is None:
-        return head + row_bits
-    if split >= set(INT8_SITES):
-        return (head + "14-bit per-row activations (two 7-bit halves: the same integers on every CPU) in every layer"
-                + kernel)
-    return head + f"{row_bits}; 14-bit (two 7-bit halves) into: {', '.join(sorted(split)) or 'none'}{kernel}"
+    kernel = int8_kernel()
+    path = ("torch's int8 GEMM per block (no kernel: slow)" if kernel is None else
+            f"our {'AVX-512 VNNI' if kernel.vnni else 'AVX2'} kernel")
+    return (f"cpu: {' '.join(isa) or 'no AVX2'} (torch dispatch {torch.backends.cpu.get_cpu_capability()}); int8: "
+            f"16-bit activations per block of {ACTIVATION_BLOCK} (the same integers on every CPU), {path}")

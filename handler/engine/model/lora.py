@@ -112,7 +112,7 @@ def linear_dims(linear: object) -> tuple[int, int]:
     """``(out, in)`` of a Linear of the model, whatever it became at load."""
     base = linear.base if isinstance(linear, LoraLinear) else linear
     if isinstance(base, Int8DynamicLinear):
-        return base.row_sums.shape[0], base.sentinel.shape[0]
+        return base.out_features, base.in_features
     return tuple(base.weight.shape)
 
 

@@ -4,8 +4,8 @@ qwen2_moe, mixtral) or of gpt_oss's clamped SwiGLU experts.
 An MoE layer runs its experts batched over the step's rows: the router scores every row at once, and each expert
 that received rows runs once, on exactly those rows (gathered, one ``gate_up`` and one ``down``, scattered back
 weighted). No loop runs per token; the loop over experts skips the ones nobody picked. (One loop over experts
-rather than a grouped matmul over stacked ``[experts, ...]`` weights: with int8 each expert is its own fbgemm
-packed weight, one GEMM per weight.)
+rather than a grouped matmul over stacked ``[experts, ...]`` weights: with int8 each expert is its own packed
+weight, one kernel call per weight.)
 
 Routing follows each family's transformers code to the dtype:
 
@@ -57,6 +57,16 @@ class GatedMLP:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(self.gated(self.gate_up(h)))
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+              norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor | None:
+        """``residual + self(rms_norm(x))`` in one int8 kernel call where both projections are int8 on the kernel
+        and the activation is SiLU (``Int8DynamicLinear.fused_mlp``: the same bits as the ops one by one); None
+        elsewhere (the caller runs the ops)."""
+        gate_up, down = self.gate_up, self.down
+        if self.activation is not F.silu or not type(gate_up) is type(down) is Int8DynamicLinear:
+            return None
+        return gate_up.fused_mlp(down, x, residual, norm)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``activation(gate) * up`` of gate_up's output (what down reads): SiLU's in one kernel call where it gives

@@ -1,15 +1,14 @@
 """The int8 model as load computes it, written once and read back at later starts: calibration and quantisation run
-once per model folder and settings, not at every start (issue #32: scale-out time is start-up time).
+once per model folder, not at every start (issue #32: scale-out time is start-up time).
 
-What is kept: each layer's smoothed norms, every int8 Linear's int8 weights, scales, bias and sums, the folds
-adapters follow (``lora.fold``), and the int8 head: everything ``quantize.smooth_and_quantize`` changes. The rest of
-the model (embeddings, rotary tables, the layer skeleton) is built from the checkpoint as before. The file is
-safetensors, memory-mapped when read; fbgemm's packed form is rebuilt from the int8 weights (it is fbgemm's own
-layout, per CPU), after the engine is ready where the decode kernel can serve meanwhile (``linear.pack_one``).
+What is kept: each layer's smoothed norms, every int8 Linear's weights in the kernel's packed layout
+(``linear.pack``), scales and bias, the folds adapters follow (``lora.fold``), and the int8 head: everything
+``quantize.smooth_and_quantize`` changes. The rest of the model (embeddings, rotary tables, the layer skeleton) is
+built from the checkpoint as before. The file is safetensors, memory-mapped when read.
 
-Where: in the start cache (``handler.start_cache``), named by the folder, the split sites and activation levels, and
-the source of the code that computes it. Written to a temporary name and renamed, so a start killed mid-write
-leaves no partial file.
+Where: in the start cache (``handler.start_cache``), named by the folder and the source of the code that computes
+and reads it (a change to the quantising or packing code names another file). Written to a temporary name and
+renamed, so a start killed mid-write leaves no partial file.
 
 Dense decoders only: an MoE layer's experts and router are quantised at every start (``supports``).
 """
@@ -26,7 +25,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from handler import start_cache
-from handler.config import INT8_SITES
 from handler.engine.model import decoder, family, linear, quantize
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
@@ -34,7 +32,7 @@ from handler.engine.model.support import moe_layers
 
 log = logging.getLogger(__name__)
 
-FORMAT = "2"  # 2: each Linear's row and column sums too
+FORMAT = "3"  # 3: the weights in the kernel's packed layout, no sums
 KEEP = 4  # files the cache keeps (most recently used first)
 SITES = ("qkv", "out", "mlp.gate_up", "mlp.down")
 NORMS = ("input_norm", "post_norm")
@@ -46,13 +44,13 @@ def supports(model: decoder.DecoderModel) -> bool:
     return all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
 
 
-def kept_for(model_dir: Path, config: dict, split: frozenset[str]) -> Path | None:
-    """The int8 form kept for this folder and split, when there is one and the model is dense: a start then builds
-    the model without reading its Linears' float weights (``decoder.DecoderModel(linears=False)``), which ``load``
+def kept_for(model_dir: Path, config: dict) -> Path | None:
+    """The int8 form kept for this folder, when there is one and the model is dense: a start then builds the model
+    without reading its Linears' float weights (``decoder.DecoderModel(linears=False)``), which ``load``
     replaces."""
     if any(moe_layers(config)):
         return None
-    path = path_for(model_dir, split, linear.activation_levels())
+    path = path_for(model_dir)
     return path if path.is_file() else None
 
 
@@ -62,12 +60,10 @@ def lacks_weights(model: decoder.DecoderModel) -> bool:
     return any(isinstance(layer, DenseLinear) and layer.weight is None for layer in linears)
 
 
-def path_for(model_dir: Path, split: frozenset[str], levels: int) -> Path:
-    """Where the int8 form of this folder under these settings is kept. ``levels`` counts only where some site is
-    not split (split sites are 7-bit halves on every CPU), so an image prepared on one CPU serves on another."""
-    if split >= set(INT8_SITES):
-        levels = 0
-    name = start_cache.name_for(model_dir, f"{FORMAT}|{sorted(split)}|{levels}", _SOURCES)
+def path_for(model_dir: Path) -> Path:
+    """Where the int8 form of this folder is kept (the same on every CPU: the kernel computes the same integers on
+    each, so an image prepared on one CPU serves on another)."""
+    name = start_cache.name_for(model_dir, FORMAT, _SOURCES)
     return start_cache.home() / f"{name}.safetensors"
 
 
@@ -82,13 +78,10 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
             tensors[name + ".float"] = torch.tensor(float(value), dtype=torch.float64)
 
     def put_linear(name: str, layer: Int8DynamicLinear) -> None:
-        int8, scales = layer.int8_weight()
-        put(f"{name}.int8", int8)
-        put(f"{name}.scales", scales)
+        put(f"{name}.packed", layer.packed)
+        put(f"{name}.scales", layer.scales)
         put(f"{name}.bias", layer.bias)
-        row_sums, col_sums = layer.sums()
-        put(f"{name}.row_sums", row_sums)
-        put(f"{name}.col_sums", col_sums)
+        put(f"{name}.in_features", float(layer.in_features))
 
     for index, layer in enumerate(model.layers):
         for norm in NORMS:
@@ -112,7 +105,7 @@ def save(model: decoder.DecoderModel, path: Path) -> None:
     start_cache.prune(path.parent, "*.safetensors", KEEP)
 
 
-def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels: int) -> None:
+def load(model: decoder.DecoderModel, path: Path) -> None:
     """Give ``model`` (built from its checkpoint, not yet quantised) the int8 form written by ``save``."""
     start_cache.touch(path)
     with safe_open(str(path), framework="pt") as file:  # every tensor read before the model changes: a damaged
@@ -125,15 +118,11 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
             return float(tensors[name + ".float"])
         return None
 
-    def get_linear(name: str, site: str) -> Int8DynamicLinear:
-        return Int8DynamicLinear.from_int8(get(f"{name}.int8"), get(f"{name}.scales"), get(f"{name}.bias"),
-                                           split=site in split, levels=levels,
-                                           sums=(tensors[f"{name}.row_sums"], tensors[f"{name}.col_sums"]))
+    def get_linear(name: str) -> Int8DynamicLinear:
+        return Int8DynamicLinear.from_packed(tensors[f"{name}.packed"], int(get(f"{name}.in_features")),
+                                             tensors[f"{name}.scales"], get(f"{name}.bias"))
 
-    # fbgemm's packing, which was most of this (0.95 s of the embedded model's, on two threads), waits until the
-    # engine is ready (``linear.pack_one``), and the sums are read, not computed
-    linears = {f"{index}.{site}": get_linear(f"{index}.{site}", site.rpartition(".")[2])
-               for index in range(len(model.layers)) for site in SITES}
+    linears = {f"{index}.{site}": get_linear(f"{index}.{site}") for index in range(len(model.layers)) for site in SITES}
     for index, layer in enumerate(model.layers):
         for norm in NORMS:
             setattr(layer, norm, get(f"{index}.{norm}"))
@@ -143,7 +132,7 @@ def load(model: decoder.DecoderModel, path: Path, split: frozenset[str], levels:
         sites = {name.split(".")[2] for name in tensors if name.startswith(f"{index}.folds.")}
         layer.folds = {site: (get(f"{index}.folds.{site}.input"), get(f"{index}.folds.{site}.output"))
                        for site in sites}
-    model.lm_head = get_linear("lm_head", "lm_head")
+    model.lm_head = get_linear("lm_head")
 
 
 def _site(layer: family.Layer, site: str) -> Int8DynamicLinear:
@@ -156,12 +145,11 @@ def prepare(model_dir: Path) -> Path:
     starts without calibrating."""
     from tokenizers import Tokenizer
 
-    split, levels = quantize.SPLIT, linear.activation_levels()
-    path = path_for(model_dir, split, levels)
+    path = path_for(model_dir)
     if not path.is_file():
         model = decoder.DecoderModel(model_dir, dtype=torch.float32, device=torch.device("cpu"))
         ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(quantize.CALIBRATION_TEXT,
                                                                             add_special_tokens=False).ids
-        quantize.smooth_and_quantize(model, quantize.calibrate(model, ids), split)
+        quantize.smooth_and_quantize(model, quantize.calibrate(model, ids))
         save(model, path)
     return path

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from handler.config import INT8_SITES
 from handler.engine.model.linear import Int8DynamicLinear
 from handler.engine.model.lora import fold
 from handler.engine.model.moe import ClampedSwiGLU, GatedMLP, SparseMoE
@@ -46,13 +45,6 @@ if TYPE_CHECKING:
     from handler.engine.model.decoder import DecoderModel
     from handler.engine.model.family import Layer
 
-# The Linear layers whose inputs are quantised to 14 bits instead of 7 or 8 (``Int8DynamicLinear.split``): all of
-# them by default. Measured with bench.quality (mean KL against fp32): every layer at 7 bits 0.052, at 8 bits 0.022,
-# at 14 bits 0.0056 (the int8 weights' own floor, as with fp32 activations). Why all: a 7- or 8-bit row grid turns
-# the last-bit differences between CPUs' float kernels (attention, norms) into whole grid steps, so a near-tie answer
-# flips with the CPU; the README's own question did (fp32's first token 0.08 ahead of the wrong one: with 8-bit
-# layers it was wrong under one CPU's float kernels and right under another's, with 14-bit ones right under both).
-SPLIT = frozenset(INT8_SITES)
 ALPHA = 0.5  # best of 0.5 / 0.7 / 0.8 / 0.9 on the embedded model with a held-out text set (bench/quality.py)
 CALIBRATION_TEXT = (
     "<|im_start|>user\nCan you explain how a bicycle stays upright while moving?<|im_end|>\n<|im_start|>assistant\n"
@@ -134,13 +126,11 @@ def _factors(act_max: torch.Tensor, weight_max: torch.Tensor) -> torch.Tensor:
     return (act_max.clamp(min=1e-5).pow(ALPHA) / weight_max.pow(1 - ALPHA)).clamp(min=1e-2, max=1e2)
 
 
-def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]], split: frozenset[str] = SPLIT,
-                        levels: int | None = None) -> None:
-    """Fold smoothing into the producers, then replace every Linear (and the LM head) with int8; the sites named in
-    ``split`` (``qkv``, ``out``, ``gate_up``, ``down``, ``lm_head``) take 14-bit activations, the others ``levels``
-    (this CPU's when None: ``linear.activation_levels``)."""
-    def int8(weight: torch.Tensor, bias: torch.Tensor | None, site: str) -> Int8DynamicLinear:
-        return Int8DynamicLinear(weight, bias, site in split, levels)
+def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]], block: int | None = None) -> None:
+    """Fold smoothing into the producers, then replace every Linear (and the LM head) with int8, its activations
+    quantised per ``block`` inputs (``linear.ACTIVATION_BLOCK`` when None)."""
+    def int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8DynamicLinear:
+        return Int8DynamicLinear(weight, bias, block)
 
     shape = model.shape
     v_start = (shape.num_heads + shape.num_kv_heads) * shape.head_dim
@@ -160,16 +150,16 @@ def smooth_and_quantize(model: DecoderModel, stats: list[dict[str, torch.Tensor]
         fold(layer.folds, "qkv", output=torch.cat([torch.ones(v_start), 1.0 / v_s.reshape(-1)]))
         fold(layer.folds, "out", input=out_s)
         out = layer.out.weight * out_s
-        layer.qkv = int8(qkv, _scaled_bias(layer.qkv.bias, v_start, v_s), "qkv")
-        layer.out = int8(out, layer.out.bias, "out")
+        layer.qkv = int8(qkv, _scaled_bias(layer.qkv.bias, v_start, v_s))
+        layer.out = int8(out, layer.out.bias)
         if isinstance(layer.mlp, SparseMoE):
             _quantize_moe(layer, stat, int8)
         else:
             _quantize_mlp(layer, stat, int8)
-    model.lm_head = int8(model.lm_head.weight, None, "lm_head")
+    model.lm_head = int8(model.lm_head.weight, None)
 
 
-Int8Maker = Callable[[torch.Tensor, torch.Tensor | None, str], Int8DynamicLinear]
+Int8Maker = Callable[[torch.Tensor, torch.Tensor | None], Int8DynamicLinear]
 
 
 def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) -> None:
@@ -185,7 +175,7 @@ def _quantize_mlp(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) 
     fold(layer.folds, "gate_up", output=torch.cat([torch.ones(s.shape[0]), 1.0 / s]))
     fold(layer.folds, "down", input=s)
     down = mlp.down.weight * s
-    layer.mlp = GatedMLP(int8(gate_up, None, "gate_up"), int8(down, None, "down"), mlp.activation)
+    layer.mlp = GatedMLP(int8(gate_up, None), int8(down, None), mlp.activation)
 
 
 def _quantize_moe(layer: Layer, stat: dict[str, torch.Tensor], int8: Int8Maker) -> None:
@@ -220,8 +210,8 @@ def _quantize_expert(expert: GatedMLP | ClampedSwiGLU, s: torch.Tensor | None, d
         down_s = smoothing_factors(down_act, down)
         gate_up[down.shape[1]:] /= down_s[:, None]
         down = down * down_s
-    return replace(expert, gate_up=int8(gate_up, expert.gate_up.bias, "gate_up"),
-                   down=int8(down, expert.down.bias, "down"))
+    return replace(expert, gate_up=int8(gate_up, expert.gate_up.bias),
+                   down=int8(down, expert.down.bias))
 
 
 def _scaled_bias(bias: torch.Tensor | None, v_start: int, v_s: torch.Tensor) -> torch.Tensor | None:

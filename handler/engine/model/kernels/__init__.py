@@ -1,17 +1,18 @@
-"""The lean engine's own CPU kernels: the 14-bit split int8 Linear for a decode step's few rows (``int8_gemv.c``),
-RMSNorm in one call (``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode
-step's KV writes (``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``); a step's
-attention (``attention.c``) is bound by ``handler.engine.model.attention``.
+"""The lean engine's own CPU kernels: the int8 Linear for any number of rows (``int8_linear.c``), RMSNorm in one call
+(``rms_norm.c``, ``fused_rms_norm``), a layer's q/k/v split with RoPE (``rope.c``), a decode step's KV writes
+(``kv_cache.c``), and a gated MLP's SiLU times up (``silu.c``, ``fused_silu_mul``); a step's attention
+(``attention.c``) is bound by ``handler.engine.model.attention``.
 
-Why our own: at batch 1 the split Linear was a dozen small torch ops around fbgemm's GEMM, and their dispatch cost
-more than the matrix product; fbgemm's GEMM is also built for many rows. The C kernel quantises the rows, reads the
-int8 weights once for all of them with AVX2's u8*s8 products (AVX-512 VNNI's where the CPU has it: the same exact
-integers), and applies the same float epilogue, giving the same bits as the torch path
-(``tests/unit/test_int8_kernel.py``), so a row's answer does not depend on which path ran.
+Why our own: torch has no int8 GEMM that gives the same integers on every x86 CPU with 16-bit activations (fbgemm's
+u8*s8 pairs saturate on AVX2), and at batch 1 a Linear as a dozen small torch ops cost more in dispatch than its
+matrix product. The C kernel quantises the rows, reads the int8 weights once per call for all of them with AVX2's
+16-bit pair products (AVX-512 VNNI's where the CPU has them: the same exact integers), and applies a fixed float
+epilogue, giving the bits of its torch reference (``linear.reference_linear``; ``tests/unit/test_int8_kernel.py``),
+so a row's answer does not depend on which path ran.
 
 It is plain C, built with the system compiler in about a second (no torch headers; ``build``) into a cache keyed by
 its source and flags, and loaded with ctypes: ``make model`` and the image build it ahead; a start builds it if it is
-missing. Without AVX2 and FMA, or a compiler, the torch path runs (one log line says so); ``LLM_INT8_KERNEL=torch``
+missing. Without AVX2 and FMA, or a compiler, the torch reference runs (one log line says so); ``LLM_INT8_KERNEL=torch``
 forces it, and ``LLM_INT8_KERNEL_ISA=avx2`` keeps the kernel's AVX2 sums on a CPU with AVX-512 VNNI.
 """
 
@@ -31,23 +32,22 @@ from handler.engine.model.kernels.build import build
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # int8_gemv.c's MAX_ROWS
-# Up to how many rows a Linear takes the kernel: it reads the weights once for all rows, and since its channels are
-# reduced and finished four at a time it beats fbgemm's at every row count it takes (measured, 20 different 576 ->
-# 3072 projections in turn as a step reads them, 2 threads, AVX2: 1 row 125 us against 314, 4 rows 195 against 401,
-# 8 rows 419 against 642; 1536 -> 576: 79 / 220, 130 / 272, 236 / 380). It was 3 when fbgemm won from 4 rows.
-KERNEL_ROWS = MAX_ROWS
+GROUP = 16  # int8_linear.c's GROUP: output channels per packed group of weights (``linear.pack``)
+SCRATCH_ALIGN = 64  # int8_linear.c: the bytes int8_scratch_bytes adds to align the codes
 
 
 class Int8Kernel:
-    """The loaded library: ``split_linear`` for up to ``MAX_ROWS`` rows, on torch's OpenMP threads."""
+    """The loaded library: ``bind``'s int8 Linear for any number of rows, on torch's OpenMP threads."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         pointer, integer = ctypes.c_void_p, ctypes.c_int
         # no argtypes: ``bind`` passes its pointers as prebuilt c_void_p and its sizes as ints, so ctypes converts
         # nothing per call
-        self.lib.int8_split_linear.restype = integer
+        self.lib.int8_linear.restype = integer
+        self.lib.int8_mlp.restype = integer
+        self.lib.int8_scratch_bytes.argtypes = [integer, integer, integer]
+        self.lib.int8_scratch_bytes.restype = ctypes.c_int64
         self.lib.rms_norm_rows.argtypes = [pointer, ctypes.c_int64, ctypes.c_int64, pointer, ctypes.c_float, integer,
                                            pointer]
         self.lib.rms_norm_rows.restype = integer
@@ -64,57 +64,104 @@ class Int8Kernel:
         self.lib.kv_write_rows.restype = integer
         self.lib.int8_use_vnni.argtypes = [integer]
         self.lib.int8_use_vnni.restype = integer
-        self.codes, self.normed = torch.empty(0, dtype=torch.uint8), torch.empty(0)
-        self._codes, self._normed = ctypes.c_void_p(self.codes.data_ptr()), ctypes.c_void_p(self.normed.data_ptr())
+        # scratch shared by every call (one engine thread calls the model): the activations' codes, the normed rows
+        # and the MLP's two intermediates (``_grow``)
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.scratch_bytes, self._scratch = 0, ctypes.c_void_p(0)
+        self.floats = {name: torch.empty(0) for name in ("normed", "gate_up", "gated")}
+        self._floats = {name: ctypes.c_void_p(0) for name in self.floats}
         self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
-        """Sum with AVX-512 VNNI where the CPU has it (``int8_gemv.c``: the same integers, so the same bits), or
+        """Sum with AVX-512 VNNI where the CPU has it (``int8_linear.c``: the same integers, so the same bits), or
         with AVX2 (``LLM_INT8_KERNEL_ISA=avx2`` at start; tests switch both ways); whether VNNI is taken now."""
         self.vnni = bool(self.lib.int8_use_vnni(int(wanted)))
         return self.vnni
 
-    def split_linear(self, x: torch.Tensor, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor,
-                     row_sums: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` ``[rows, k]`` fp32 contiguous, ``rows <= MAX_ROWS``; the weights as ``Int8DynamicLinear`` keeps
-        them for this kernel (one call of ``bind``'s function)."""
-        return self.bind(weight, col_sums, scales, row_sums, bias)(x)
+    def bind(self, packed: torch.Tensor, in_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+             block: int) -> Callable[..., torch.Tensor]:
+        """The int8 Linear of these weights (``linear.pack``'s layout, ``scales`` fp32 ``[out]``, ``bias`` fp32 or
+        None; activation blocks of ``block`` inputs) as a function of ``x`` (``[rows, in]`` fp32, any rows): their
+        pointers are made once, so a call costs ~3 us of Python and ctypes. The caller keeps the tensors alive and
+        unchanged for as long as it calls it.
 
-    def bind(self, weight: torch.Tensor, col_sums: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
-             bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-        """``split_linear`` of these weights as a function of ``x`` alone (1 to ``MAX_ROWS`` rows): their pointers
-        are made once, so a call costs ~3 us of Python and ctypes instead of ~7 (the embedded model's step makes
-        121). The caller keeps the tensors alive and unchanged for as long as it calls it.
-
-        The function also takes ``residual`` (``[rows, n]`` fp32 contiguous: ``residual + linear(x)``, as torch's
+        The function also takes ``residual`` (``[rows, out]`` fp32 contiguous: ``residual + linear(x)``, as torch's
         add after it) and ``norm`` (``(weight, eps, lanes)``: ``linear(rms_norm(x))``, the norm as ``rms_norm.c``
         computes it with those lanes), each in the same call (``Int8DynamicLinear.fused``)."""
-        n, k = weight.shape
-        self._room_for(k)
+        n, k = scales.shape[0], in_features
         pointer = ctypes.c_void_p
-        fixed = (pointer(weight.data_ptr()), pointer(col_sums.data_ptr()), pointer(scales.data_ptr()),
-                 pointer(row_sums.data_ptr()), None if bias is None else pointer(bias.data_ptr()), n)
-        call, empty, no_norm = self.lib.int8_split_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
+        fixed = (pointer(packed.data_ptr()), pointer(scales.data_ptr()),
+                 None if bias is None else pointer(bias.data_ptr()), n, block)
+        call, empty, no_norm = self.lib.int8_linear, torch.empty, (None, ctypes.c_float(0.0), 0)
+        per_row = self.lib.int8_scratch_bytes(1, k, block) - SCRATCH_ALIGN  # the codes and scales of a row
 
         def linear(x: torch.Tensor, residual: torch.Tensor | None = None,
                    norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
             x = x.contiguous()
             rows = x.shape[0]
+            need = rows * per_row + SCRATCH_ALIGN
+            if need > self.scratch_bytes or (norm is not None and rows * k > self.floats["normed"].numel()):
+                self._grow(need, normed=0 if norm is None else rows * k)
             y = empty(rows, n)
             norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
-            call(pointer(x.data_ptr()), rows, k, *fixed, self._codes, pointer(y.data_ptr()),
-                 None if residual is None else pointer(residual.data_ptr()), *norm_args, self._normed)
+            if call(pointer(x.data_ptr()), rows, k, *fixed, self._scratch, pointer(y.data_ptr()),
+                    None if residual is None else pointer(residual.data_ptr()), *norm_args,
+                    self._floats["normed"]) != 0:
+                raise RuntimeError(f"int8 kernel refused {rows} rows of {k} inputs (block {block})")
             return y
 
         return linear
 
-    def _room_for(self, k: int) -> None:
-        """The codes and norm scratch hold ``MAX_ROWS`` rows of width ``k`` (grown, never shrunk; one per process)."""
-        if self.codes.numel() < 2 * MAX_ROWS * k:
-            self.codes = torch.empty(2 * MAX_ROWS * k, dtype=torch.uint8)
-            self._codes = ctypes.c_void_p(self.codes.data_ptr())
-            self.normed = torch.empty(MAX_ROWS * k)
-            self._normed = ctypes.c_void_p(self.normed.data_ptr())
+    def bind_mlp(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                 down: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], block: int,
+                 silu_lanes: int) -> Callable[..., torch.Tensor]:
+        """A gated MLP of two int8 Linears (each ``(packed, scales, bias)`` as ``bind`` takes them; gate_up's
+        ``2 * inter`` channels gate first, down's ``hidden``) as a function of ``x`` ``[rows, hidden]``, with
+        ``residual`` and ``norm`` as ``bind``'s: ``residual + down(silu(gate) * up)`` of ``gate_up(rms_norm(x))`` in
+        one call (``int8_mlp``), SiLU as ``silu.c`` computes it on ``silu_lanes`` lanes: the bits of the calls one by
+        one."""
+        hidden, inter = down[1].shape[0], gate_up[1].shape[0] // 2
+        pointer = ctypes.c_void_p
+
+        def weights(layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> tuple:
+            packed, scales, bias = layer
+            return pointer(packed.data_ptr()), pointer(scales.data_ptr()), None if bias is None else pointer(
+                bias.data_ptr())
+
+        first, second = weights(gate_up), weights(down)
+        call, empty, no_norm = self.lib.int8_mlp, torch.empty, (None, ctypes.c_float(0.0), 0)
+        per_row = self.lib.int8_scratch_bytes(1, max(hidden, inter), block) - SCRATCH_ALIGN
+
+        def mlp(x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: tuple[torch.Tensor, float, int] | None = None) -> torch.Tensor:
+            x = x.contiguous()
+            rows = x.shape[0]
+            need = rows * per_row + SCRATCH_ALIGN
+            if need > self.scratch_bytes or rows * inter > self.floats["gated"].numel() or (
+                    norm is not None and rows * hidden > self.floats["normed"].numel()):
+                self._grow(need, normed=0 if norm is None else rows * hidden, gate_up=rows * 2 * inter,
+                           gated=rows * inter)
+            y = empty(rows, hidden)
+            norm_args = no_norm if norm is None else (pointer(norm[0].data_ptr()), ctypes.c_float(norm[1]), norm[2])
+            floats = self._floats
+            if call(pointer(x.data_ptr()), rows, hidden, inter, *first, *second, block, self._scratch,
+                    pointer(y.data_ptr()), None if residual is None else pointer(residual.data_ptr()), *norm_args,
+                    floats["normed"], silu_lanes, floats["gate_up"], floats["gated"]) != 0:
+                raise RuntimeError(f"int8 MLP kernel refused {rows} rows (block {block}, SiLU lanes {silu_lanes})")
+            return y
+
+        return mlp
+
+    def _grow(self, scratch_bytes: int, **floats: int) -> None:
+        """Room for a call's codes (``scratch_bytes``) and float rows (by name): grown, never shrunk."""
+        if scratch_bytes > self.scratch_bytes:
+            self.scratch = torch.empty(max(scratch_bytes, 2 * self.scratch_bytes), dtype=torch.uint8)
+            self.scratch_bytes = self.scratch.numel()
+            self._scratch = ctypes.c_void_p(self.scratch.data_ptr())
+        for name, count in floats.items():
+            if count > self.floats[name].numel():
+                self.floats[name] = torch.empty(max(count, 2 * self.floats[name].numel()))
+                self._floats[name] = ctypes.c_void_p(self.floats[name].data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         """``F.rms_norm(x, (n,), weight, eps)`` of fp32 contiguous ``x`` ``[rows, n]`` (``rms_norm.c``; ``lanes``:
@@ -168,13 +215,14 @@ def int8_kernel() -> Int8Kernel | None:
         if os.environ.get("LLM_INT8_KERNEL", "auto") == "torch":
             return None
         if not {"avx2", "fma"} <= cpu_flags():
-            log.info("int8: no AVX2 and FMA on this CPU; a decode step's Linears run through torch and fbgemm")
+            log.info("int8: no AVX2 and FMA on this CPU; the int8 Linears run through torch's ops (the same numbers, "
+                     "slowly)")
             return None
         try:
             _KERNEL = Int8Kernel(build())
         except OSError as error:
-            log.warning("int8: the decode kernel could not be built (%s); a decode step's Linears run through "
-                        "torch and fbgemm (slower at batch 1, the same numbers)", error)
+            log.warning("int8: the kernel could not be built (%s); the int8 Linears run through torch's ops (the same "
+                        "numbers, slowly)", error)
         return _KERNEL
 
 
@@ -280,6 +328,7 @@ def _silu_mul_of(kernel: Int8Kernel, lanes: int):
         kernel.lib.silu_mul_rows(gate_up.data_ptr(), rows, width // 2, lanes, out.data_ptr())
         return out
 
+    gated.lanes = lanes  # what an MLP's kernel call needs to compute this itself (``Int8DynamicLinear.fused_mlp``)
     return gated
 
 

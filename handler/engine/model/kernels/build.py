@@ -1,4 +1,4 @@
-"""Compile the kernels' C files beside this one (``int8_gemv.c``, ``rms_norm.c``) into one library in the kernel
+"""Compile the kernels' C files beside this one (``int8_linear.c``, ``rms_norm.c``, ...) into one library in the kernel
 cache (standard library only, so an image's build stage can run it as a file: ``python3
 handler/engine/model/kernels/build.py`` prints the library's path). The library's name carries a digest of its
 sources and flags, so a changed kernel is never served from a stale build."""
