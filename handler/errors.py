@@ -1,11 +1,16 @@
-"""Errors that are part of the API.
+"""Errors that are part of the API, and the one place their bodies are written.
 
 Every failure a client can see is a ``ServingError``: it carries the HTTP status, the OpenAI-style error type,
-and the request field it concerns. The server turns it into the chat shape
-``{"error": {"message", "type", "param", "code"}}`` or the legacy shape; nothing else reaches the wire.
+and the request field it concerns. ``error_record`` writes it in the shape of the route that failed
+(``ErrorShape``): OpenAI's ``{"error": {"message", "type", "param", "code"}}``, the legacy schema's, or the last line
+of a legacy stream; nothing else reaches the wire.
+
+May import: nothing of the package (every layer imports this one).
 """
 
 from __future__ import annotations
+
+import enum
 
 
 class ServingError(Exception):
@@ -19,10 +24,6 @@ class ServingError(Exception):
         self.message = message
         self.param = param
         self.code = code
-
-    def to_dict(self) -> dict:
-        """The OpenAI error object (without the outer ``{"error": ...}``)."""
-        return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
 
 
 class BadRequest(ServingError):
@@ -97,3 +98,30 @@ class EngineError(ServingError):
 
 class ConfigError(Exception):
     """A setting is unknown, invalid, or names a model that cannot be loaded. Raised at start only."""
+
+
+class ErrorShape(enum.Enum):
+    """How a route writes its errors; each endpoint answers in one shape."""
+
+    OPENAI = "openai"      # {"error": {"message", "type", "param", "code"}}: OpenAI's routes (a body, a stream's end)
+    LEGACY = "legacy"      # {"error", "error_type", "param", "code": status}: the legacy schema's routes (LMI, TGI)
+    LMI_LINE = "lmi_line"  # a legacy stream's last line: a token with id -1, ``log_prob`` (LMI's name)
+    TGI_LINE = "tgi_line"  # the same in TGI's spelling (``logprob``)
+
+    @classmethod
+    def for_path(cls, path: str) -> ErrorShape:
+        """The shape of a path no endpoint answered (no such route, or a request refused before routing)."""
+        return cls.OPENAI if path.startswith("/v1/") else cls.LEGACY
+
+
+def error_record(error: ServingError, shape: ErrorShape, *, num_generated_tokens: int = 0) -> dict:
+    """``error`` written in ``shape``; a legacy stream's line counts the tokens generated before it failed."""
+    if shape is ErrorShape.OPENAI:
+        return {"error": {"message": error.message, "type": error.error_type, "param": error.param,
+                          "code": error.code}}
+    if shape is ErrorShape.LEGACY:
+        return {"error": error.message, "error_type": error.error_type, "param": error.param,
+                "code": error.status_code}
+    logprob_key = "logprob" if shape is ErrorShape.TGI_LINE else "log_prob"
+    return {"token": {"id": -1, "text": "", logprob_key: None, "special": True}, "generated_text": None,
+            "details": {"finish_reason": "error", "generated_tokens": num_generated_tokens}, "error": error.message}

@@ -5,6 +5,8 @@ wraps each engine handle the request reads, timing its tokens as the server cons
 includes the wait for a batch slot). When the response closes, the record becomes one JSON line on stdout and the
 request-level metrics. Prompt text is left out of the log unless ``option.log_prompts`` asks for it: prompts are the
 customer's data.
+
+May import: ``handler.errors``, ``metrics`` and the engine's interface (handles and events).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ log = logging.getLogger(REQUEST_LOGGER)
 class RequestRecord:
     """One HTTP request's figures; times are ``time.monotonic()`` values."""
 
-    request_id: str
+    request_id: str                                        # the engine's id once a request is submitted
     route: str
     started: float
+    has_engine_id: bool = False                            # request_id is the engine's (a batch: its first prompt's)
     schema: str = "none"
     is_stream: bool = False
     prompt: object = None                                  # only when option.log_prompts

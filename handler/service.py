@@ -1,5 +1,10 @@
 """Wires settings to a running backend: resolves device, dtype, limits and request defaults, picks the backend,
-loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder)."""
+loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder), the
+LoRA adapters shared by the workers, and a user's handler when the model folder brings one.
+
+May import: ``handler.config``, ``handler.errors``, ``metrics``, the engine's interface (``backend``, ``loader``,
+``types``), the prompt layer, ``process.preflight``, ``adapter_registry`` and ``djl.loading``.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +19,14 @@ from pathlib import Path
 from handler import metrics, threads
 from handler.adapter_registry import SharedAdapters
 from handler.config import Settings
-from handler.djl import UserHandler, find_entry_point
+from handler.djl.loading import UserHandler, find_entry_point
 from handler.engine.backend import EngineBackend, EngineLimits
 from handler.engine.loader import create_backend, language_config
 from handler.engine.types import PromptParts
 from handler.errors import ConfigError, NotFound
-from handler.preflight import context_length
+from handler.process.preflight import context_length
 from handler.prompt.renderer import PromptRenderer
 from handler.prompt.vision import VisionRenderer, image_loader
-from handler.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +124,6 @@ class ModelService:
         else:
             self.engine = HandlerOnly(self.user_handler.name)
         self.defaults = request_defaults(settings)
-        self.responses = ResponseStore(settings.responses_store_size)  # this worker's stored Responses
         self._shared_adapters: SharedAdapters | None = None
         self._adapters_lock = threading.Lock()
 
@@ -138,7 +141,7 @@ class ModelService:
     @property
     def adapters(self) -> SharedAdapters | None:
         """The LoRA adapters, kept equal across the server's workers (None while the backend serves none)."""
-        store = getattr(self.engine, "adapters", None)  # a stand-in backend without the attribute serves none
+        store = self.engine.adapters
         if store is None:
             return None
         with self._adapters_lock:

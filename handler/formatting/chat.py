@@ -1,6 +1,6 @@
 """Token events -> chat-completions JSON (OpenAI shape): one ``chat.completion`` or ``chat.completion.chunk``s.
 
-With a reasoning model (``ChatContext.reasoning_parser``) each choice's text is split first (``prompt.reasoning``):
+With a reasoning model (``ChatContext.reasoning_parser``) each choice's text is split first (``parsing.reasoning``):
 the reasoning goes to ``message.reasoning`` / ``delta.reasoning`` (vLLM's name) and ``reasoning_content`` (llama.cpp
 and SGLang clients read this one), the answer to ``content``, where tool calls are parsed as without reasoning. A
 choice that ends inside its reasoning has ``content: null``. ``usage.completion_tokens_details.reasoning_tokens``
@@ -12,22 +12,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from handler.engine.types import ErrorKind, FinishReason, TokenEvent
-from handler.errors import EngineError, ServingError
+from handler.engine.types import FinishReason, TokenEvent
 from handler.formatting.context import (
     OPENAI_FINISH_REASONS,
-    ChatContext,
     ChoiceResult,
     FormatContext,
     best_choices,
-    failure,
+    failure_record,
     finals_of,
     fold,
     usage,
 )
-from handler.prompt import reasoning, tool_calls
+from handler.parsing import reasoning
+from handler.parsing.dialects import ToolCall
+from handler.parsing.tool_stream import CallDelta, ToolCallStream, parse_tool_calls
 
 SYSTEM_FINGERPRINT = "fp_sagemaker_llm_container"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatContext(FormatContext):
+    want_logprobs: bool = False          # logprobs
+    include_usage: bool = False          # stream_options.include_usage
+    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning from content in this format (parsing.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 
 def token_logprob(event: TokenEvent, ctx: FormatContext) -> dict:
@@ -69,7 +80,7 @@ class ReasoningSplit:
 
     reasoning: str = ""
     content: str = ""
-    calls: list[tool_calls.ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     in_reasoning: bool = False
     num_reasoning_tokens: int = 0
 
@@ -90,7 +101,7 @@ def _add(split: ReasoningSplit, pieces: list[reasoning.Piece]) -> None:
         if piece.kind == reasoning.REASONING:
             split.reasoning += piece.text
         elif piece.kind == reasoning.TOOL_CALL:
-            split.calls.append(tool_calls.ToolCall(piece.name or "", piece.text))
+            split.calls.append(ToolCall(piece.name or "", piece.text))
         else:
             split.content += piece.text
 
@@ -112,7 +123,7 @@ def _message(text: str, reason: FinishReason, ctx: ChatContext) -> tuple[dict, s
     """``message`` and ``finish_reason`` of one choice; with tools, calls are parsed out of the text."""
     if ctx.tool_format is None:
         return {"role": "assistant", "content": text}, OPENAI_FINISH_REASONS[reason]
-    parsed = tool_calls.parse_tool_calls(text, ctx.tool_format, calls_only=ctx.tool_calls_only)
+    parsed = parse_tool_calls(text, ctx.tool_format, calls_only=ctx.tool_calls_only)
     message = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.calls]
@@ -170,7 +181,7 @@ class _DeltaStream:
 
     def __init__(self, ctx: ChatContext) -> None:
         tool_format = ctx.tool_format
-        self._parser = tool_calls.ToolCallStream(tool_format, calls_only=ctx.tool_calls_only) if tool_format else None
+        self._parser = ToolCallStream(tool_format, calls_only=ctx.tool_calls_only) if tool_format else None
         self._splitter = (reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened) if ctx.reasoning_parser
                           else None)
         self.num_calls = 0
@@ -186,7 +197,7 @@ class _DeltaStream:
             if piece.kind == reasoning.REASONING:
                 deltas.append({"reasoning": piece.text, "reasoning_content": piece.text})
             elif piece.kind == reasoning.TOOL_CALL:
-                call = tool_calls.ToolCall(piece.name or "", piece.text)
+                call = ToolCall(piece.name or "", piece.text)
                 deltas.append({"tool_calls": [{"index": self.num_calls, **call.to_openai()}]})
                 self.num_calls += 1
             else:
@@ -199,7 +210,7 @@ class _DeltaStream:
         found = self._parser.push(text) + (self._parser.finish() if is_last else [])
         deltas = []
         for delta in found:
-            if isinstance(delta, tool_calls.CallDelta):
+            if isinstance(delta, CallDelta):
                 self.num_calls += 1
                 deltas.append({"tool_calls": [{"index": delta.index, **delta.call.to_openai()}]})
             elif delta.text:
@@ -219,17 +230,3 @@ def _chunk(ctx: ChatContext, index: int, delta: dict, logprobs: dict | None = No
     if ctx.include_usage:
         record["usage"] = None
     return record
-
-
-def error_record(error: ServingError) -> dict:
-    """The chat shape of an error: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": error.to_dict()}
-
-
-def failure_record(event: TokenEvent) -> dict | None:
-    """The final error record of an OpenAI-shaped stream when ``event`` ends its choice in failure, else None."""
-    if event.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT):
-        return None
-    if event.error_kind is ErrorKind.STOPPED:  # SIGTERM's grace ran out: a 503's shape, the client may retry
-        return error_record(failure(event))
-    return error_record(EngineError(f"generation failed: {event.error or 'the request was cancelled'}"))

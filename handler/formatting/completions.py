@@ -17,19 +17,32 @@ vLLM's ``prompt_logprobs`` adds each choice's ``prompt_logprobs``: per prompt to
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from handler.engine.types import FinishReason, PromptLogprob, TokenEvent
-from handler.formatting.chat import SYSTEM_FINGERPRINT, failure_record
+from handler.formatting.chat import SYSTEM_FINGERPRINT
 from handler.formatting.context import (
     OPENAI_FINISH_REASONS,
     ChoiceResult,
-    CompletionsContext,
     FormatContext,
     best_choices,
+    failure_record,
     fold,
     usage,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionsContext(FormatContext):
+    want_logprobs: bool = False          # logprobs is set
+    include_usage: bool = False          # stream_options.include_usage
+    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
+    prompt_texts: tuple[str, ...] = ()   # the prompts as sent, one per prompt (what echo prepends)
+    return_full_text: bool = False       # echo
+    suffix: str = ""                     # appended to every completion
+    num_logprobs: int = 0                # logprobs: the top logprobs of each token (with echo, the prompt's too)
+    is_echo_only: bool = False           # max_tokens 0 with echo: the prompt alone, the token generated dropped
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (None: not asked)
 
 
 def completion(requests: Sequence[Iterable[TokenEvent]], num_choices: int, ctx: CompletionsContext) -> dict:

@@ -1,4 +1,12 @@
-"""What formatters need besides the events: ids, names, and how to spell a token."""
+"""What every schema's formatter shares: the context base (ids, names, how to spell a token), folding a request's
+events into choices, what a failed event means, and usage.
+
+Each schema's own context sits next to its formatter (``ChatContext`` in ``chat``, ...).
+
+May import (the whole ``formatting`` room): ``handler.errors``, ``handler.engine.types`` and ``handler.parsing``
+(reading tool calls and reasoning out of the text). Not ``handler.prompt`` and not ``handler.protocol``: a
+formatter gets what it needs from its context, filled in by the endpoint.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from handler.engine.types import ErrorKind, FinishReason, TokenEvent
-from handler.errors import EngineError, NotReady, ServingError
+from handler.errors import EngineError, ErrorShape, NotReady, ServingError, error_record
 
 # OpenAI's finish reasons (chat and completions); the legacy schema has TGI's own
 OPENAI_FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -21,49 +29,6 @@ class FormatContext:
     created: int
     token_text: Callable[[int], str]
     token_bytes: Callable[[int], bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class ChatContext(FormatContext):
-    want_logprobs: bool = False          # logprobs
-    include_usage: bool = False          # stream_options.include_usage
-    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
-    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
-    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_tokens is dropped)
-    reasoning_parser: str | None = None  # split reasoning from content in this format (prompt.reasoning)
-    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionsContext(FormatContext):
-    want_logprobs: bool = False          # logprobs is set
-    include_usage: bool = False          # stream_options.include_usage
-    keep_best: int | None = None         # best_of: keep this many choices, the most likely first (None: all)
-    prompt_texts: tuple[str, ...] = ()   # the prompts as sent, one per prompt (what echo prepends)
-    return_full_text: bool = False       # echo
-    suffix: str = ""                     # appended to every completion
-    num_logprobs: int = 0                # logprobs: the top logprobs of each token (with echo, the prompt's too)
-    is_echo_only: bool = False           # max_tokens 0 with echo: the prompt alone, the token generated dropped
-    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (None: not asked)
-
-
-@dataclass(frozen=True, slots=True)
-class LegacyContext(FormatContext):
-    want_logprobs: bool = False          # details (or decoder_input_details)
-    want_prefill: bool = False           # decoder_input_details: the prompt's tokens in details.prefill
-    return_full_text: bool = False       # return_full_text: the prompt before the generated text
-    want_top_tokens: bool = False        # top_n_tokens
-    is_tgi: bool = False                 # TGI's spelling: "logprob", stream "index", details' "seed" / "input_length"
-    seed: int | None = None              # the request's seed (TGI's details report it)
-
-
-@dataclass(frozen=True, slots=True)
-class ResponsesContext(FormatContext):
-    echo: dict = field(default_factory=dict)  # the request fields the response object repeats (protocol's echo())
-    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
-    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
-    reasoning_parser: str | None = None  # split reasoning into a reasoning item (prompt.reasoning)
-    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 
 @dataclass(slots=True)
@@ -137,3 +102,13 @@ def usage(choices_final: Iterable[TokenEvent], reasoning_tokens: int | None = No
 
 def finals_of(events: Iterable[TokenEvent]) -> Iterator[TokenEvent]:
     return (e for e in events if e.finish_reason is not None)
+
+
+def failure_record(event: TokenEvent) -> dict | None:
+    """The final error record of an OpenAI-shaped stream when ``event`` ends its choice in failure, else None."""
+    if event.finish_reason not in (FinishReason.ERROR, FinishReason.ABORT):
+        return None
+    if event.error_kind is ErrorKind.STOPPED:  # SIGTERM's grace ran out: a 503's shape, the client may retry
+        return error_record(failure(event), ErrorShape.OPENAI)
+    error = EngineError(f"generation failed: {event.error or 'the request was cancelled'}")
+    return error_record(error, ErrorShape.OPENAI)

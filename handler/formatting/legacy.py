@@ -13,23 +13,40 @@ tokens carry ``logprob``; stream records count themselves in ``index`` (from 1) 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from handler.engine.types import FinishReason, TokenEvent
-from handler.formatting.context import ChoiceResult, FormatContext, LegacyContext, fold
+from handler.errors import EngineError, ErrorShape, error_record
+from handler.formatting.context import ChoiceResult, FormatContext, fold
 
 FINISH_REASONS = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "length",
                   FinishReason.ERROR: "error", FinishReason.ABORT: "error"}
+
+
+@dataclass(frozen=True, slots=True)
+class LegacyContext(FormatContext):
+    want_logprobs: bool = False          # details (or decoder_input_details)
+    want_prefill: bool = False           # decoder_input_details: the prompt's tokens in details.prefill
+    return_full_text: bool = False       # return_full_text: the prompt before the generated text
+    want_top_tokens: bool = False        # top_n_tokens
+    is_tgi: bool = False                 # TGI's spelling: "logprob", stream "index", details' "seed" / "input_length"
+    seed: int | None = None              # the request's seed (TGI's details report it)
+
+    @property
+    def error_shape(self) -> ErrorShape:
+        """How a stream in this spelling ends when it fails: its last line."""
+        return ErrorShape.TGI_LINE if self.is_tgi else ErrorShape.LMI_LINE
 
 
 def _token(event: TokenEvent, text: str, ctx: LegacyContext) -> dict:
     return {"id": event.token_id, "text": text, _logprob_key(ctx): event.logprob, "special": event.is_special}
 
 
-def _logprob_key(ctx: FormatContext) -> str:
-    return "logprob" if getattr(ctx, "is_tgi", False) else "log_prob"
+def _logprob_key(ctx: LegacyContext) -> str:
+    return "logprob" if ctx.is_tgi else "log_prob"
 
 
-def _top_tokens(event: TokenEvent, ctx: FormatContext) -> list[dict]:
+def _top_tokens(event: TokenEvent, ctx: LegacyContext) -> list[dict]:
     return [{"id": t.token_id, "text": ctx.token_text(t.token_id), _logprob_key(ctx): t.logprob,
              "special": False} for t in event.top_logprobs]
 
@@ -74,7 +91,7 @@ def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContex
             yield line
             continue
         if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-            yield _error_line(event)
+            yield _error_line(event, ctx)
             return
         line["generated_text"] = text
         if ctx.want_logprobs:
@@ -85,13 +102,6 @@ def generated_lines(events: Iterable[TokenEvent], prompt: str, ctx: LegacyContex
         yield line
 
 
-def _error_line(event: TokenEvent) -> dict:
-    message = event.error or "the request was cancelled because the server is stopping"
-    return {"token": {"id": -1, "text": "", "log_prob": None, "special": True}, "generated_text": None,
-            "details": {"finish_reason": "error", "generated_tokens": event.num_generated_tokens},
-            "error": message}
-
-
-def error_line(message: str) -> dict:
-    """A failure outside the engine (after the stream started), in the same shape."""
-    return _error_line(TokenEvent(index=0, token_id=None, text="", finish_reason=FinishReason.ERROR, error=message))
+def _error_line(event: TokenEvent, ctx: LegacyContext) -> dict:
+    error = EngineError(event.error or "the request was cancelled because the server is stopping")
+    return error_record(error, ctx.error_shape, num_generated_tokens=event.num_generated_tokens)

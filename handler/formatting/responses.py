@@ -9,7 +9,7 @@ whole as one ``function_call_arguments.delta``, closes each item (``.done`` even
 Every event carries its ``sequence_number``, from 0.
 
 With a reasoning model (``ResponsesContext.reasoning_parser``, as on chat) the text is split first
-(``prompt.reasoning``): the reasoning becomes a ``reasoning`` item before the answer (one ``reasoning_text``
+(``parsing.reasoning``): the reasoning becomes a ``reasoning`` item before the answer (one ``reasoning_text``
 part, streamed as ``reasoning_text.delta``), the answer the message, harmony's commentary calls function calls;
 ``output_tokens_details.reasoning_tokens`` counts the tokens generated while the reasoning was open.
 """
@@ -18,13 +18,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
 from handler.formatting.chat import split_choice
-from handler.formatting.context import ResponsesContext, failure, fold
-from handler.prompt import reasoning, tool_calls
+from handler.formatting.context import FormatContext, failure, fold
+from handler.parsing import reasoning
+from handler.parsing.dialects import ToolCall
+from handler.parsing.tool_stream import CallDelta, ContentDelta, Delta, ToolCallStream, parse_tool_calls
 
+
+@dataclass(frozen=True, slots=True)
+class ResponsesContext(FormatContext):
+    echo: dict = field(default_factory=dict)  # the request fields the response object repeats (protocol's echo())
+    tool_format: str | None = None       # parse tool calls in this format (None: the text is all content)
+    tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
+    reasoning_parser: str | None = None  # split reasoning into a reasoning item (parsing.reasoning)
+    reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
 
 def new_item_id(prefix: str) -> str:
     """OpenAI's id style: ``msg_…``, ``fc_…``, ``resp_…``."""
@@ -65,7 +76,7 @@ def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-def call_item(item_id: str, call: tool_calls.ToolCall, arguments: str | None = None) -> dict:
+def call_item(item_id: str, call: ToolCall, arguments: str | None = None) -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments,
             "status": "completed" if arguments is None else "in_progress"}
@@ -84,7 +95,7 @@ def response(events: Iterable[TokenEvent], ctx: ResponsesContext) -> dict:
             cut = incomplete and split.in_reasoning
             output.append(reasoning_item(new_item_id("rs"), split.reasoning, "incomplete" if cut else "completed"))
     if ctx.tool_format is not None:
-        parsed = tool_calls.parse_tool_calls(content, ctx.tool_format, calls_only=ctx.tool_calls_only)
+        parsed = parse_tool_calls(content, ctx.tool_format, calls_only=ctx.tool_calls_only)
         content, calls = parsed.content, calls + parsed.calls
     if content or not (calls or output):
         output.append(message_item(new_item_id("msg"), content or "", status))
@@ -101,7 +112,7 @@ class ResponseEvents:
         self._sequence = 0
         self._output: list[dict] = []
         self._message: dict | None = None  # the open message item, while its text streams
-        self._parser = tool_calls.ToolCallStream(ctx.tool_format, calls_only=ctx.tool_calls_only) \
+        self._parser = ToolCallStream(ctx.tool_format, calls_only=ctx.tool_calls_only) \
             if ctx.tool_format else None
         self._splitter = reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened) \
             if ctx.reasoning_parser else None
@@ -128,7 +139,7 @@ class ResponseEvents:
                 elif piece.kind == reasoning.TOOL_CALL:
                     yield from self._close_reasoning("completed")
                     yield from self._close_message("completed")
-                    yield from self._call(tool_calls.ToolCall(piece.name or "", piece.text))
+                    yield from self._call(ToolCall(piece.name or "", piece.text))
                 else:
                     yield from self._content(piece.text, is_last=False)
             if is_last:
@@ -145,7 +156,7 @@ class ResponseEvents:
 
     def _content(self, text: str, *, is_last: bool) -> Iterator[dict]:
         for delta in self._deltas(text, is_last=is_last):
-            if isinstance(delta, tool_calls.CallDelta):
+            if isinstance(delta, CallDelta):
                 yield from self._close_reasoning("completed")
                 yield from self._close_message("completed")
                 yield from self._call(delta.call)
@@ -153,9 +164,9 @@ class ResponseEvents:
                 yield from self._close_reasoning("completed")
                 yield from self._text(delta.text)
 
-    def _deltas(self, text: str, *, is_last: bool) -> list[tool_calls.Delta]:
+    def _deltas(self, text: str, *, is_last: bool) -> list[Delta]:
         if self._parser is None:
-            return [tool_calls.ContentDelta(text)]
+            return [ContentDelta(text)]
         return self._parser.push(text) + (self._parser.finish() if is_last else [])
 
     def _finish(self, final: TokenEvent) -> Iterator[dict]:
@@ -225,7 +236,7 @@ class ResponseEvents:
         self._output.append(item)
         self._reasoning = None
 
-    def _call(self, call: tool_calls.ToolCall) -> Iterator[dict]:
+    def _call(self, call: ToolCall) -> Iterator[dict]:
         item_id, index = new_item_id("fc"), len(self._output)
         yield self._event("response.output_item.added", output_index=index, item=call_item(item_id, call, ""))
         yield self._event("response.function_call_arguments.delta", output_index=index, item_id=item_id,

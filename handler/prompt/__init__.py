@@ -1,3 +1,8 @@
-"""The prompt layer: between the wire schemas (``protocol``) and the engine. The model's tokenizer and chat
-template (``renderer``), its tool-call dialect (``tool_calls``) and, for vision-language models, image loading and
-the vision tower (``vision``) turn what a request asks for into token ids and embeddings."""
+"""The prompt layer: what a request asks for, as the model reads it. The model's tokenizer and chat template
+(``renderer``), tools described in the prompt for templates that do not render them (``tools``) and, for
+vision-language models, image loading and the vision tower (``vision``) turn messages into token ids and embeddings.
+
+May import: ``handler.errors``, ``handler.config``, ``handler.engine.types``, ``handler.images`` and
+``handler.parsing`` (which dialect a template teaches, which reasoning format it uses). Reading the model's output
+back is ``handler.parsing``'s job, not this layer's.
+"""

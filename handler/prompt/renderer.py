@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from handler.engine.types import ReasoningGate
 from handler.errors import BadRequest, Unprocessable
-from handler.prompt import reasoning, tool_calls
+from handler.parsing import dialects, reasoning
+from handler.prompt.tools import render_calls, template_renders_tools, tools_system_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +49,19 @@ class ImageRef:
 class PromptRenderer:
     """Wraps a transformers tokenizer for the protocol layer: chat templates, tools, tokens' text.
 
-    ``tool_format`` is how this model writes tool calls (``handler.prompt.tool_calls.FORMATS``): the setting
+    ``tool_format`` is how this model writes tool calls (``handler.parsing.dialects.FORMATS``): the setting
     when given, else detected from the chat template."""
 
     def __init__(self, tokenizer, tool_format: str = "auto", reasoning_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
         self.has_chat_template = bool(template)
-        self.tool_format = tool_calls.detect_format(template, None if tool_format == "auto" else tool_format)
-        self._template_renders_tools = tool_calls.template_renders_tools(template)
+        self.tool_format = dialects.detect_format(template, None if tool_format == "auto" else tool_format)
+        self._template_renders_tools = template_renders_tools(template)
         # gpt-oss's template writes each tool as "// " + description, and fails on a tool without one
         self._template_needs_descriptions = reasoning.detect_parser(
             template if isinstance(template, str) else None, "auto") == "gpt_oss"
-        self.tool_marker_id = self._special_token_id(tool_calls.FORMATS[self.tool_format].opener)
+        self.tool_marker_id = self._special_token_id(dialects.FORMATS[self.tool_format].opener)
         self.reasoning_parser = reasoning.detect_parser(template if isinstance(template, str) else None,
                                                         reasoning_parser)
         # the reasoning markers that are special tokens: kept in the output text, or the split could not see them
@@ -179,14 +180,14 @@ class PromptRenderer:
         rendered = []
         for message in messages:
             if message.get("tool_calls"):
-                calls = tool_calls.render_calls(message["tool_calls"], self.tool_format)
+                calls = render_calls(message["tool_calls"], self.tool_format)
                 text = message.get("content") or ""
                 message = {**message, "content": f"{text}\n{calls}" if text else calls}
                 del message["tool_calls"]
             rendered.append(message)
         if not tools:
             return rendered
-        description = tool_calls.tools_system_prompt(tools, self.tool_format)
+        description = tools_system_prompt(tools, self.tool_format)
         if rendered and rendered[0]["role"] == "system" and isinstance(rendered[0].get("content"), str):
             return [{**rendered[0], "content": f"{rendered[0]['content']}\n\n{description}"}, *rendered[1:]]
         return [{"role": "system", "content": description}, *rendered]

@@ -1,5 +1,7 @@
-"""The chat-completions request (OpenAI shape), validated, and its conversion to a ``GenerationRequest`` once the
-prompt layer has rendered its messages (``handler.intake``).
+"""The chat-completions request (OpenAI shape), validated, and its conversion to a ``GenerationRequest``:
+``prepare`` checks it across fields, has the model's renderer render its messages (chat template, tools, images)
+and converts it, in one pass. The Responses API is served by converting into this request (``protocol.responses``),
+so both endpoints prepare through here.
 
 Fields copy the OpenAI names. Fields this server cannot honour yet are not declared, so they are refused with a
 400 naming them (``extra="forbid"``) rather than silently ignored.
@@ -7,6 +9,8 @@ Fields copy the OpenAI names. Fields this server cannot honour yet are not decla
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -177,9 +181,23 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
         images: list[ImageRef] = []
         return [_template_message(m, i, images) for i, m in enumerate(self.messages)], images
 
+    def prepare(self, renderer: PromptRenderer, default_temperature: float, arrived_at: float) -> PreparedChat:
+        """Checked, rendered and converted: the engine's request and what its answer's formatter needs from the
+        prompt side. ``arrived_at`` (``time.monotonic()``) is when the request arrived: its deadline and its image
+        budget count from then, so rendering and fetching images are part of it."""
+        self.check()
+        plan = self.output_plan(renderer)
+        messages, images = self.prompt_messages()
+        prompt = renderer.render_prompt(messages, tools=list(plan.tools), images=images, arrived_at=arrived_at,
+                                        template_kwargs=self.template_kwargs())
+        generation = _with_reasoning(self.to_generation_request(prompt, plan, default_temperature), renderer, plan)
+        opened = renderer.reasoning_parser is not None and renderer.opens_reasoning(generation.prompt_ids)
+        return PreparedChat(dataclasses.replace(generation, arrived_at=arrived_at), plan, renderer.reasoning_parser,
+                            opened)
+
     def to_generation_request(self, prompt: RenderedPrompt, plan: OutputPlan,
                               default_temperature: float) -> GenerationRequest:
-        """The engine request for the rendered prompt (``intake.chat_request`` renders it)."""
+        """The engine request for the rendered prompt."""
         # beam search without a temperature is greedy, whatever the model's sampling default
         sampling = self.sampling_params(0.0 if self.use_beam_search else default_temperature)
         beam = plan_beams(self.beam_ask(self.best_of, self.n), sampling, self.n, stream=self.stream,
@@ -206,6 +224,29 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
 
     def sampling_params(self, default_temperature: float) -> SamplingParams:
         return openai_sampling_params(self, default_temperature)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request ready for the engine, and what its answer's formatter needs from the prompt side."""
+
+    generation: GenerationRequest
+    plan: OutputPlan                  # the grammar the engine enforces, the tool-call format the answer is read in
+    reasoning_parser: str | None      # the model's reasoning format (None: its answer is all content)
+    reasoning_opened: bool            # the prompt opened the reasoning: the answer starts inside it
+
+
+def _with_reasoning(generation: GenerationRequest, renderer: PromptRenderer, plan: OutputPlan) -> GenerationRequest:
+    """For a reasoning model: its markers' special tokens kept in the text (the formatter splits on them), and
+    an output grammar that starts once the reasoning has ended (unless it spans the reasoning itself: gpt-oss's
+    forced calls)."""
+    if renderer.reasoning_parser is None:
+        return generation
+    grammar, gate = generation.grammar, renderer.reasoning_gate(generation.prompt_ids)
+    if grammar is not None and gate is not None and not plan.spans_reasoning:
+        grammar = dataclasses.replace(grammar, after_reasoning=gate)
+    keep = generation.keep_special_ids + renderer.reasoning_keep_ids
+    return dataclasses.replace(generation, grammar=grammar, keep_special_ids=keep)
 
 
 def _template_message(message: ChatMessage, index: int, images: list[ImageRef]) -> dict:

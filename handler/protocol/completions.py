@@ -24,12 +24,14 @@ stream. ``suffix`` (Databricks) is appended to the end of every completion. Stre
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
 from handler.engine.types import GenerationRequest
-from handler.errors import BadRequest
+from handler.errors import BadRequest, Unprocessable
+from handler.prompt.renderer import PromptRenderer
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
     BeamFields,
@@ -108,10 +110,40 @@ class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Constr
         """Choices generated per prompt: best_of candidates when given, else n."""
         return self.best_of or self.n
 
+    def prepare(self, renderer: PromptRenderer, default_temperature: float,
+                arrived_at: float) -> list[GenerationRequest]:
+        """Checked, each prompt rendered (``use_raw_prompt`` absent or true: tokenised as it is; false, Databricks:
+        sent as one user message through the chat template; a token prompt goes as it is) and converted;
+        ``arrived_at`` (``time.monotonic()``): when the request arrived, which its deadline counts from."""
+        self.check()
+        prompt_ids = [self._prompt_ids(renderer, prompt, index) for index, prompt in enumerate(self.prompts)]
+        generations = self.to_generation_requests(prompt_ids, default_temperature)
+        return [dataclasses.replace(generation, arrived_at=arrived_at) for generation in generations]
+
+    def echo_texts(self, renderer: PromptRenderer) -> tuple[str, ...]:
+        """What echo prepends to each prompt's completions: the text as sent, a token prompt's decoded text
+        (vLLM)."""
+        if not self.echo:
+            return ()
+        return tuple(prompt if isinstance(prompt, str) else renderer.decode(prompt) for prompt in self.prompts)
+
+    def _prompt_ids(self, renderer: PromptRenderer, prompt: str | list[int], index: int) -> list[int]:
+        if isinstance(prompt, list):
+            if self.use_raw_prompt is False:
+                raise BadRequest("use_raw_prompt: false sends a text prompt through the chat template; a token "
+                                 "prompt goes to the model as it is", param="use_raw_prompt")
+            check_token_ids(prompt, renderer.vocab_size, self.prompt_param(index))
+            return list(prompt)
+        if self.use_raw_prompt is not False:
+            return renderer.encode(prompt, add_special_tokens=True)
+        if not renderer.has_chat_template:
+            raise Unprocessable("use_raw_prompt: false needs a chat template, and this model has none",
+                                param="use_raw_prompt")
+        return renderer.render_chat([{"role": "user", "content": prompt}])
+
     def to_generation_requests(self, prompt_ids: list[list[int]],
                                default_temperature: float) -> list[GenerationRequest]:
-        """One engine request per prompt, from each prompt's token ids (``intake.completion_requests`` renders
-        them)."""
+        """One engine request per prompt, from each prompt's token ids."""
         # beam search without a temperature is greedy, whatever the model's sampling default
         sampling = openai_sampling_params(self, 0.0 if self.use_beam_search else default_temperature)
         grammar = self.constraint()

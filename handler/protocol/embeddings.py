@@ -5,7 +5,8 @@
 Databricks' ``instruction`` is put before each text input, as sentence-transformers puts a prompt. ``encoding_format``
 is ``float`` (lists of numbers) or ``base64`` (each vector's little-endian float32 bytes, as OpenAI sends them).
 ``dimensions`` is taken when it is the model's own size; this server cuts no vector shorter (a model must have been
-trained for that, and nothing in a checkpoint says so).
+trained for that, and nothing in a checkpoint says so). ``prepare`` tokenises each text input with the tokenizer's
+own special tokens (as sentence-transformers encodes it); token-id inputs go as they are.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from handler.engine.types import EmbeddingRequest
+from handler.errors import BadRequest
+from handler.prompt.renderer import PromptRenderer
+from handler.protocol.completions import check_token_ids
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 TokenId = Annotated[int, Field(strict=True, ge=0)]
@@ -43,3 +49,17 @@ class EmbeddingRequestBody(BaseModel):
         if self.input and all(isinstance(item, int) for item in self.input):
             return [list(self.input)]
         return [list(ids) for ids in self.input]
+
+    def prepare(self, renderer: PromptRenderer, request_id: str, arrived_at: float) -> EmbeddingRequest:
+        """The inputs as token ids, for the engine; ``arrived_at`` (``time.monotonic()``): when the request arrived,
+        which its deadline counts from."""
+        texts = self.texts()
+        if self.instruction is not None and texts is None:
+            raise BadRequest("instruction is put before text inputs; these are token ids", param="instruction")
+        if texts is None:
+            inputs = self.token_inputs()
+            for index, ids in enumerate(inputs):
+                check_token_ids(ids, renderer.vocab_size, "input" if len(inputs) == 1 else f"input[{index}]")
+        else:
+            inputs = [renderer.encode(text, add_special_tokens=True) for text in texts]
+        return EmbeddingRequest(request_id, tuple(tuple(ids) for ids in inputs), arrived_at)

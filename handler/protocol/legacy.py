@@ -1,6 +1,7 @@
 """The legacy schema (LMI / TGI style): ``{"inputs": str | [str], "parameters": {...}, "stream": bool}``.
 
-One or many prompts are normalised here into a list of ``GenerationRequest``s, one per prompt.
+One or many prompts are normalised here into a list of ``GenerationRequest``s, one per prompt (``prepare``: each
+input tokenised as it is, with the tokenizer's own special tokens, as TGI and LMI do).
 Sampling: ``do_sample`` false with no temperature/top_p/top_k means greedy (HF ``generate``'s default); any of
 those, or ``do_sample: true``, samples (TGI's rule), with temperature 1.0 unless given. ``decoder_input_details``
 (TGI) adds the prompt's tokens and logprobs as ``details.prefill`` (and, as in TGI, implies ``details``); it cannot
@@ -9,12 +10,14 @@ stream.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
+from handler.prompt.renderer import PromptRenderer
 from handler.protocol.common import (
     BEAM_ONLY,
     BeamAsk,
@@ -135,9 +138,18 @@ class LegacyRequest(BaseModel):
             return [(p.adapters, "parameters.adapters")] * len(self.prompts)
         return [(p.adapter_id, "parameters.adapter_id")] * len(self.prompts)
 
+    def prepare(self, renderer: PromptRenderer, default_max_new_tokens: int,
+                arrived_at: float) -> list[GenerationRequest]:
+        """Checked, each input tokenised with the tokenizer's own special tokens, and converted; ``arrived_at``
+        (``time.monotonic()``): when the request arrived, which its deadline counts from."""
+        self.check()
+        prompt_ids = [renderer.encode(prompt, add_special_tokens=True) for prompt in self.prompts]
+        generations = self.to_generation_requests(prompt_ids, default_max_new_tokens)
+        return [dataclasses.replace(generation, arrived_at=arrived_at) for generation in generations]
+
     def to_generation_requests(self, prompt_ids: list[list[int]],
                                default_max_new_tokens: int) -> list[GenerationRequest]:
-        """One engine request per prompt, from each prompt's token ids (``intake.legacy_requests`` encodes them)."""
+        """One engine request per prompt, from each prompt's token ids."""
         p = self.parameters
         stop = p.stop_conditions(p.max_new_tokens or default_max_new_tokens, p.stop_strings(), p.ignore_eos,
                                  min_new_tokens=p.minimum)

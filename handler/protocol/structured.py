@@ -9,7 +9,7 @@ schema, or a forced tool call), and whether the formatter looks for tool calls i
 - ``required`` / a named function: decoding is constrained to one call (several with ``parallel_tool_calls``) of
   a declared function whose arguments validate against its ``parameters`` schema. On a harmony model (gpt-oss) the
   call is harmony's own commentary message after free analysis messages, one per turn
-  (``tool_calls.harmony_call_grammar``); elsewhere it is the text format's (hermes, llama3_json, mistral).
+  (``parsing.grammars.harmony_call_grammar``); elsewhere it is the text format's (hermes, llama3_json, mistral).
 - ``none``: tools are not shown to the model and nothing is parsed.
 """
 
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.types import GrammarSpec
 from handler.errors import BadRequest
-from handler.prompt import tool_calls
+from handler.parsing import grammars
 from handler.protocol.constraints import only_one
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -116,9 +116,9 @@ def plan_output(
     forced = definitions if choice == "required" else [_named(definitions, choice.function.name)]
     parallel = choice == "required" and parallel_tool_calls is not False
     if harmony:
-        source = tool_calls.harmony_call_grammar(list(forced))
+        source = grammars.harmony_call_grammar(list(forced))
     else:
-        source = tool_calls.call_grammar(list(forced), tool_format, parallel=parallel, marker_token_id=marker_id)
+        source = grammars.call_grammar(list(forced), tool_format, parallel=parallel, marker_token_id=marker_id)
     grammar = GrammarSpec("lark", source, "tool_choice")
     return OutputPlan(grammar=grammar, tools=definitions, tool_format=tool_format, marker_id=marker_id,
                       calls_only=True, spans_reasoning=harmony)

@@ -1,4 +1,4 @@
-"""The transport through the real gunicorn server (handler/worker.py): slow and idle clients cannot starve /ping,
+"""The transport through the real gunicorn server (process/worker.py): slow and idle clients cannot starve /ping,
 each request is read under one deadline, and HTTP-level mistakes are answered in JSON (issue #17).
 
 The server runs with 8 threads and a 2 s read timeout, so a handful of sockets outnumber its threads and the

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler import intake, metrics, server
+from handler import metrics, server
 from handler.config import DEFAULT_MODEL_DIR, Settings
+from handler.endpoints import base as endpoint_base
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core import admission as admission_module
 from handler.engine.lean.engine import Engine, LoadedModel, wait_until_ready
@@ -138,8 +139,8 @@ def harness(tokenizer):
 def fake_clock(monkeypatch) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(admission_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
-    # a chat request's deadline counts from its arrival, which intake stamps: the same clock
-    monkeypatch.setattr(intake, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    # a chat request's deadline counts from its arrival, which the endpoints stamp: the same clock
+    monkeypatch.setattr(endpoint_base, "monotonic", clock.monotonic)
     return clock
 
 
@@ -250,7 +251,7 @@ def app_for(tokenizer):
         service = types.SimpleNamespace(settings=settings, model_name="m", defaults=RequestDefaults(0.0, 256),
                                         serves_builtin=True,
                                         renderer=PromptRenderer(tokenizer), engine=h.engine, user_handler=None,
-                                        is_ready=True, load_error=None)
+                                        is_ready=True, load_error=None, adapters=None)
         made.append(server.create_app(service))
         return made[-1].test_client()
 

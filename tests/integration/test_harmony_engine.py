@@ -22,9 +22,8 @@ from handler import server
 from handler.config import Settings
 from handler.engine.backend import EngineLimits
 from handler.engine.lean.engine import Engine, wait_until_ready
-from handler.prompt.reasoning import HARMONY_TOKENS
+from handler.parsing.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
-from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 from tests.tiny_checkpoints import SMOLLM2_DIR, TINY
@@ -101,7 +100,7 @@ def harmony(tmp_path_factory: pytest.TempPathFactory):
     renderer = PromptRenderer(parts.tokenizer)
     service = types.SimpleNamespace(settings=Settings(), model_name="m", defaults=RequestDefaults(0.0, 256),
                                     serves_builtin=True, renderer=renderer, engine=engine, user_handler=None,
-                                    is_ready=True, load_error=None, responses=ResponseStore(8))
+                                    is_ready=True, load_error=None, adapters=None)
     yield server.create_app(service).test_client(), renderer, script
     engine.stop()
 

@@ -15,7 +15,6 @@ from handler import server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent
 from handler.prompt.renderer import PromptRenderer
-from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 from tests.integration.test_server_app import MODEL_NAME, FakeEngine, FakeService
@@ -52,7 +51,7 @@ def transcript_script(renderer: PromptRenderer, text: str, finish: FinishReason 
 
 def app_client(renderer: PromptRenderer, script):
     service = FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256),
-                          renderer=renderer, engine=FakeEngine(script), user_handler=None, responses=ResponseStore(8))
+                          renderer=renderer, engine=FakeEngine(script), user_handler=None)
     return server.create_app(service)
 
 

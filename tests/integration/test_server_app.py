@@ -14,10 +14,10 @@ import pytest
 
 from handler import server
 from handler.config import DEFAULT_MODEL_DIR, Settings
+from handler.endpoints import base as endpoint_base
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady, Overloaded
 from handler.prompt.renderer import PromptRenderer
-from handler.response_store import ResponseStore
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
 
@@ -93,6 +93,7 @@ class FakeService(types.SimpleNamespace):
 
     engine_path = "lean"
     serves_builtin = True
+    adapters = None
 
     @property
     def is_ready(self) -> bool:
@@ -106,12 +107,12 @@ class FakeService(types.SimpleNamespace):
 @pytest.fixture()
 def service(renderer: PromptRenderer) -> FakeService:
     return FakeService(settings=Settings(), model_name=MODEL_NAME, defaults=RequestDefaults(0.0, 256),
-                       renderer=renderer, engine=FakeEngine(), user_handler=None, responses=ResponseStore(8))
+                       renderer=renderer, engine=FakeEngine(), user_handler=None)
 
 
 @pytest.fixture()
 def client(service, monkeypatch):
-    monkeypatch.setattr(server, "time", types.SimpleNamespace(time=lambda: CREATED + 0.75))
+    monkeypatch.setattr(endpoint_base, "time", types.SimpleNamespace(time=lambda: CREATED + 0.75))
     monkeypatch.setattr("handler.protocol.chat.new_request_id", lambda prefix: f"{prefix}-test")
     monkeypatch.setattr("handler.protocol.legacy.new_request_id", lambda prefix: f"{prefix}-test")
     app = server.create_app(service)
@@ -592,7 +593,7 @@ def frames(response) -> list[tuple[str, dict]]:
 
 
 def test_responses_stream_is_typed_sse_in_order(client, monkeypatch) -> None:
-    monkeypatch.setattr("handler.intake.new_response_id", lambda: "resp_test")
+    monkeypatch.setattr("handler.endpoints.responses.new_response_id", lambda: "resp_test")
     monkeypatch.setattr("handler.formatting.responses.new_item_id", lambda prefix: f"{prefix}_test")
     response = post(client, "/v1/responses", {**RESPONSES, "stream": True})
     assert response.mimetype == "text/event-stream" and response.headers["X-Request-Id"] == "resp_test"

@@ -1,5 +1,6 @@
 """The import directions docs/ARCHITECTURE.md describes, checked on the source (AST, nothing imported): the layers
-of the server, the rooms inside the engine, and no import circles anywhere in the package. Every import counts,
+of the server, the rooms inside the engine, the front door's endpoints (one module per API, none importing
+another), no import circles anywhere in the package, and the sizes of files and classes. Every import counts,
 those inside functions and under ``TYPE_CHECKING`` too: a circle drawn only for the type checker is still a
 circle a reader has to follow.
 
@@ -22,19 +23,21 @@ LAYERS = [
     ("base", ["handler.errors", "handler.config", "handler.start_cache", "handler.threads"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
+    ("process", ["handler.process"]),
+    ("parsing", ["handler.parsing"]),
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
-    ("wiring", ["handler.service", "handler.intake", "handler.request_log", "handler.djl", "handler.preflight",
-                "handler.download", "handler.response_store", "handler.adapter_registry"]),
-    ("entry", ["handler.__main__", "handler.server", "handler.djl_routes", "handler.lifecycle",
-               "handler.disconnect", "handler.assemble_model", "handler.worker", "handler.request_reader"]),
+    ("wiring", ["handler.service", "handler.request_log", "handler.djl", "handler.download",
+                "handler.adapter_registry"]),
+    ("endpoints", ["handler.endpoints"]),
+    ("entry", ["handler.__main__", "handler.server", "handler.djl.routes", "handler.assemble_model"]),
 ]
 # What the rest of the server may use of the engine: the request and event types, the backend interface, and the
 # loader (which backend serves a folder, and building it).
 ENGINE_API = {"handler.engine.types", "handler.engine.backend", "handler.engine.loader"}
-# The forced-call grammar the prompt layer writes must lay JSON out exactly as the engine's grammar compiler does, and
-# gpt-oss's forced call must allow the same free harmony messages as the engine's reasoning gate (``HARMONY_MESSAGES``).
-ENGINE_SHARED = {"handler.prompt.tool_calls": {"handler.engine.core.json_rules", "handler.engine.core.grammars"}}
+# The forced-call grammar must lay JSON out exactly as the engine's grammar compiler does, and gpt-oss's forced call
+# must allow the same free harmony messages as the engine's reasoning gate (``HARMONY_MESSAGES``).
+ENGINE_SHARED = {"handler.parsing.grammars": {"handler.engine.core.json_rules", "handler.engine.core.grammars"}}
 # Libraries the engine must not know: it talks to the server through events and a stats listener only.
 ENGINE_FORBIDDEN_LIBRARIES = {"flask", "werkzeug", "gunicorn", "prometheus_client", "pydantic"}
 
@@ -71,10 +74,11 @@ def imports_of(path: Path) -> set[str]:
 
 
 def layer_of(module: str) -> int | None:
-    for index, (_name, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return index
-    return None
+    """The layer of the longest prefix naming the module (``handler.djl.routes`` is entry, the rest of
+    ``handler.djl`` wiring)."""
+    found = [(len(p), index) for index, (_name, prefixes) in enumerate(LAYERS) for p in prefixes
+             if module == p or module.startswith(p + ".")]
+    return max(found)[1] if found else None
 
 
 MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
@@ -206,3 +210,100 @@ def test_the_loader_imports_no_torch_or_vllm_until_a_backend_is_built() -> None:
             top.add(node.module)
     assert not {"torch", "vllm", "transformers"} & {t.split(".")[0] for t in top}
     assert not any(t.startswith(ENGINE + ".") and t not in ENGINE_API | {f"{ENGINE}.core.tokenizer"} for t in top)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("handler.formatting")))
+def test_formatters_read_output_through_parsing_not_the_prompt_layer(module: str) -> None:
+    assert not any(t.startswith("handler.prompt") for t in MODULES[module]), f"{module} imports handler.prompt"
+
+
+# ---- the front door: one module per API ------------------------------------------------------------------------
+# A new API (sessions, a bidirectional stream, rerank, ...) is one module in handler/endpoints/ with one Endpoint
+# subclass, and its lines in server.route_table. Endpoint modules share only the base (the moves every route makes)
+# and the body reader: never one another, so each API reads alone.
+ENDPOINTS = "handler.endpoints"
+ENDPOINTS_SHARED = {f"{ENDPOINTS}.base", f"{ENDPOINTS}.body"}
+ENDPOINT_MODULES = sorted(m for m in MODULES if m.startswith(ENDPOINTS + ".") and m not in ENDPOINTS_SHARED)
+# server.py: the app, the route table, and the hooks around every request; no route function of its own
+SERVER_FUNCTIONS = {"route_table", "create_app", "_with_call", "open_call", "close_call", "unanswered_error"}
+
+
+def _source(module: str) -> ast.Module:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    return ast.parse(path.read_text())
+
+
+@pytest.mark.parametrize("module", ENDPOINT_MODULES)
+def test_endpoints_never_import_one_another(module: str) -> None:
+    others = sorted(t for t in EDGES[module] if t.startswith(ENDPOINTS + ".") and t not in ENDPOINTS_SHARED)
+    assert others == [], f"{module} imports {others}: what two endpoints share belongs in endpoints/base.py"
+
+
+@pytest.mark.parametrize("module", ENDPOINT_MODULES)
+def test_each_endpoint_module_is_one_api_in_the_route_table(module: str) -> None:
+    endpoints = [node.name for node in ast.walk(_source(module)) if isinstance(node, ast.ClassDef)
+                 and any(isinstance(base, ast.Name) and base.id == "Endpoint" for base in node.bases)]
+    assert len(endpoints) == 1, f"{module} defines {endpoints}: one Endpoint subclass per module"
+    assert module in MODULES["handler.server"], f"{module} is not in server.route_table"
+
+
+def test_server_keeps_only_the_app_the_route_table_and_the_hooks() -> None:
+    tree = _source("handler.server")
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert functions <= SERVER_FUNCTIONS, f"{sorted(functions - SERVER_FUNCTIONS)}: put routes in an endpoint"
+    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert classes == ["Route"], f"server.py defines {classes}: an API's class belongs in handler/endpoints/"
+
+
+def test_the_endpoint_rule_fails_on_one_endpoint_importing_another() -> None:
+    """The check itself: chat importing the legacy endpoint breaks it."""
+    edges = EDGES[f"{ENDPOINTS}.chat"] | {f"{ENDPOINTS}.legacy"}
+    assert any(t.startswith(ENDPOINTS + ".") and t not in ENDPOINTS_SHARED for t in edges)
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------------
+MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
+# Units over a limit, each with why it is; the test prints them. One over a limit and not named here fails, and so
+# does one named here that is no longer over (take its entry off).
+SIZE_EXCEPTIONS = {
+    "handler/config.py": "Settings' option fields with their validation, and the lean engine's own rules, which "
+                         "belong to the engine: moving them is the way under",
+    "handler/engine/lean/load.py": "settings and path choice, the loaders, quantization and KV budgeting in one "
+                                   "module: four jobs to split it by",
+    "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
+                                             "in one class",
+    "handler/engine/model/family.py": "FamilySpec and LayerBuilder beside the q/k split, norm and rotate helpers "
+                                      "(eager and TorchScript) that LayerBuilder picks per layer",
+    "handler/engine/model/support.py": "the table of the families and config features the lean engine implements, "
+                                       "and the checks that read it",
+    "handler/engine/runners/hf_runner.py:TransformersRunner": "each sequence's own cache handled beside the "
+                                                              "forward, in one class",
+    "handler/engine/vllm/backend.py:VllmBackend": "the asyncio loop thread, intake, slots, the watcher and shutdown "
+                                                  "in one class",
+    "handler/images/fetch.py": "the address policy (what may be fetched) and the pinned fetch (how) in one module",
+}
+
+
+def _sizes() -> dict[str, int]:
+    """Every file of handler/ over ``MAX_FILE_LINES`` lines and every class over ``MAX_CLASS_LINES``."""
+    over = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            over[name] = len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                over[f"{name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return over
+
+
+def test_no_file_over_400_lines_and_no_class_over_250_but_the_named_exceptions() -> None:
+    over = _sizes()
+    print(f"\nnamed exceptions to {MAX_FILE_LINES} lines a file, {MAX_CLASS_LINES} a class:")
+    for unit, reason in sorted(SIZE_EXCEPTIONS.items()):
+        print(f"  {unit} ({over.get(unit, 'no longer over')} lines): {reason}")
+    unnamed = {unit: lines for unit, lines in over.items() if unit not in SIZE_EXCEPTIONS}
+    assert unnamed == {}, "split these by a real seam (or name them in SIZE_EXCEPTIONS, with why)"
+    stale = sorted(set(SIZE_EXCEPTIONS) - set(over))
+    assert stale == [], "these are within the limits now: take them off SIZE_EXCEPTIONS"

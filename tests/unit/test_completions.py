@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from handler import intake
+from handler.endpoints.invocations import sniff_schema
 from handler.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -20,19 +20,13 @@ from handler.engine.types import (
 from handler.errors import BadRequest, ServingError, Unprocessable
 from handler.formatting import chat as chat_format
 from handler.formatting import completions
-from handler.formatting.context import (
-    ChatContext,
-    ChoiceResult,
-    CompletionsContext,
-    FormatContext,
-    best_choices,
-    cumulative_logprob,
-)
+from handler.formatting.chat import ChatContext
+from handler.formatting.completions import CompletionsContext
+from handler.formatting.context import ChoiceResult, FormatContext, best_choices, cumulative_logprob
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import ExtraParameters, Extras, PassThrough, parse_model, parse_request
 from handler.protocol.completions import CompletionRequest
 from handler.protocol.legacy import LegacyRequest
-from handler.server import sniff_schema
 
 VOCAB = {2: "<|im_end|>", 5: "Hel", 6: "lo", 7: " wor", 8: "ld", 9: "é"}
 EOS, STOP, LENGTH = FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH
@@ -65,7 +59,7 @@ def request(**fields) -> CompletionRequest:
 
 
 def convert(renderer: FakeRenderer | None = None, default_temperature: float = 0.0, **fields) -> list:
-    return intake.completion_requests(request(**fields), renderer or FakeRenderer(), default_temperature)
+    return request(**fields).prepare(renderer or FakeRenderer(), default_temperature, arrived_at=0.0)
 
 
 def token_text(token_id: int) -> str:
@@ -266,9 +260,9 @@ def test_echo_only_generates_one_token_to_drop() -> None:
 
 def test_echo_texts_are_the_prompts_as_sent_or_decoded() -> None:
     renderer = FakeRenderer()
-    assert intake.echo_texts(request(prompt=["ab", "c"], echo=True), renderer) == ("ab", "c")
-    assert intake.echo_texts(request(prompt=[[104, 105], [33]], echo=True), renderer) == ("hi", "!")
-    assert intake.echo_texts(request(prompt=[104, 105]), renderer) == ()  # no echo, nothing decoded
+    assert request(prompt=["ab", "c"], echo=True).echo_texts(renderer) == ("ab", "c")
+    assert request(prompt=[[104, 105], [33]], echo=True).echo_texts(renderer) == ("hi", "!")
+    assert request(prompt=[104, 105]).echo_texts(renderer) == ()  # no echo, nothing decoded
 
 
 def test_single_item_list_may_stream() -> None:
@@ -293,12 +287,12 @@ def test_chat_best_of_generates_best_of_choices() -> None:
 
     renderer = PromptRenderer(load_tokenizer(Path(DEFAULT_MODEL_DIR)))  # chat's conversion needs the real one
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0.7}
-    assert intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0).n == 2
+    assert parse_model(ChatCompletionRequest, body).prepare(renderer, 0.0, arrived_at=0.0).generation.n == 2
     body["best_of"] = 4
-    sampled = intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0)
+    sampled = parse_model(ChatCompletionRequest, body).prepare(renderer, 0.0, arrived_at=0.0).generation
     assert (sampled.n, sampled.beam) == (4, None)  # sampling on: best_of candidates, the n best kept
     del body["temperature"]  # sampling off (the model's default here): best_of is the beam width
-    beams = intake.chat_request(parse_model(ChatCompletionRequest, body), renderer, 0.0)
+    beams = parse_model(ChatCompletionRequest, body).prepare(renderer, 0.0, arrived_at=0.0).generation
     assert (beams.n, beams.beam.width, beams.beam.param) == (2, 4, "best_of")
 
 
@@ -306,7 +300,7 @@ def test_chat_best_of_generates_best_of_choices() -> None:
 def test_chat_best_of_checks(fields: dict, param: str) -> None:
     with pytest.raises(BadRequest) as info:
         body = {"messages": [{"role": "user", "content": "hi"}], **fields}
-        intake.chat_request(parse_model(ChatCompletionRequest, body), FakeRenderer(), 0.0)
+        parse_model(ChatCompletionRequest, body).prepare(FakeRenderer(), 0.0, arrived_at=0.0)
     assert info.value.param == param
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from handler.disconnect import DisconnectWatcher
+from handler.process.disconnect import DisconnectWatcher
 
 
 def test_a_closed_peer_is_reported_once() -> None:
@@ -97,7 +97,8 @@ def test_a_socket_that_cannot_be_registered_is_dropped_and_the_others_still_watc
 
 
 def test_a_watcher_whose_loop_raises_is_restarted_and_counted(monkeypatch) -> None:
-    from handler import disconnect, threads
+    from handler import threads
+    from handler.process import disconnect
 
     watcher = DisconnectWatcher()
     failures = iter([RuntimeError("boom")])

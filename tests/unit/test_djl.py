@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from handler.djl import HandlerLoadError, Input, UserHandler, find_entry_point
+from handler.djl import Input
+from handler.djl.loading import HandlerLoadError, UserHandler, find_entry_point
 from handler.errors import ConfigError
 
 

@@ -10,12 +10,12 @@ import struct
 import pytest
 import torch
 
+from handler.endpoints.invocations import sniff_schema
 from handler.engine.core.pooling import UnsupportedPooling, pool, read_pooling
 from handler.engine.types import Embeddings, Pooling
 from handler.formatting.embeddings import embedding_list
 from handler.protocol.common import parse_model
 from handler.protocol.embeddings import EmbeddingRequestBody
-from handler.server import sniff_schema
 from tests.tiny_checkpoints import add_sentence_transformers_config
 
 

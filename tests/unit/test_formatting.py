@@ -8,10 +8,12 @@ import json
 import pytest
 
 from handler.engine.types import FinishReason, PromptLogprob, TokenEvent, TopLogprob
-from handler.errors import EngineError, NotReady
+from handler.errors import EngineError, ErrorShape, NotReady, error_record
 from handler.formatting import chat, legacy
-from handler.formatting.context import ChatContext, FormatContext, LegacyContext
+from handler.formatting.chat import ChatContext
+from handler.formatting.context import FormatContext
 from handler.formatting.framing import JSONLINES_MIMETYPE, SSE_MIMETYPE, jsonlines, sse
+from handler.formatting.legacy import LegacyContext
 
 VOCAB = {2: "<|im_end|>", 5: "Hel", 6: "lo", 7: " wor", 8: "ld", 9: "é"}
 EOS = FinishReason.EOS
@@ -283,7 +285,7 @@ def test_legacy_lines_error_mid_stream(finish: FinishReason) -> None:
 
 
 def test_legacy_error_line_helper() -> None:
-    assert legacy.error_line("oops") == {
+    assert error_record(EngineError("oops"), ErrorShape.LMI_LINE) == {
         "token": {"id": -1, "text": "", "log_prob": None, "special": True}, "generated_text": None,
         "details": {"finish_reason": "error", "generated_tokens": 0}, "error": "oops"}
 

@@ -17,9 +17,9 @@ import pytest
 from handler.config import DEFAULT_MODEL_DIR
 from handler.engine.core.grammars import gated_grammar
 from handler.engine.types import GrammarSpec, ReasoningGate
-from handler.prompt.reasoning import HARMONY_TOKENS
+from handler.parsing.grammars import harmony_call_grammar
+from handler.parsing.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
-from handler.prompt.tool_calls import harmony_call_grammar
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 WEATHER = {"type": "function", "function": {

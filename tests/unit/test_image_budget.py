@@ -1,7 +1,7 @@
 """A request's images under budgets (``handler.images.loader``), with fake fetchers: URLs fetched at once, the fetch
 budget, the worker's fetch cap and image memory budget (waits, 429s naming the setting), the total-pixel limit read
 from headers before decoding, memory handed back after large images; and the request deadline counted from arrival
-(``AdmissionControl`` with ``GenerationRequest.arrived_at``, ``intake.chat_request``).
+(``AdmissionControl`` with ``GenerationRequest.arrived_at``, ``ChatCompletionRequest.prepare``).
 
 Fakes block on events, not on sleeps, wherever the order matters; the only waits are the loader's own bounded ones
 (tenths of a second here), and nothing asserts how fast anything ran beyond generous bounds.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import pytest
 from PIL import Image, ImageFile
 
-from handler import intake
 from handler.config import Settings
+from handler.endpoints.base import arrival
 from handler.engine.backend import Admission
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.request import RequestState
@@ -439,5 +439,5 @@ def test_chat_requests_carry_the_time_they_arrived_before_rendering() -> None:
             return RenderedPrompt((1, 2, 3))
 
     parsed = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
-    generation = intake.chat_request(parsed, Renderer(), 0.0)
+    generation = parsed.prepare(Renderer(), 0.0, arrival()).generation
     assert generation.arrived_at is not None and generation.arrived_at <= Renderer.rendered_at - 0.05

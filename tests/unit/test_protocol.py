@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from handler import intake
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from handler.errors import BadRequest
 from handler.prompt.renderer import PromptRenderer
@@ -39,13 +38,23 @@ class FakeRenderer(PromptRenderer):
         return [ord(c) for c in text]
 
 
+def chat_request(parsed: ChatCompletionRequest, renderer: PromptRenderer, default_temperature: float):
+    """The engine request a chat request prepares (``ChatCompletionRequest.prepare``)."""
+    return parsed.prepare(renderer, default_temperature, arrived_at=0.0).generation
+
+
+def legacy_requests(parsed: LegacyRequest, renderer: PromptRenderer, default_max_new_tokens: int) -> list:
+    """The engine requests a legacy request prepares (``LegacyRequest.prepare``)."""
+    return parsed.prepare(renderer, default_max_new_tokens, arrived_at=0.0)
+
+
 def chat(**fields) -> ChatCompletionRequest:
     return parse_model(ChatCompletionRequest, {"messages": MESSAGES, **fields})
 
 
 def chat_error(**fields) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        intake.chat_request(chat(**fields), FakeRenderer(), 0.0)
+        chat_request(chat(**fields), FakeRenderer(), 0.0)
     return info.value
 
 
@@ -55,7 +64,7 @@ def legacy(body: dict) -> LegacyRequest:
 
 def legacy_error(body: dict) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        intake.legacy_requests(legacy(body), FakeRenderer(), 16)
+        legacy_requests(legacy(body), FakeRenderer(), 16)
     return info.value
 
 
@@ -121,7 +130,7 @@ def test_chat_cross_field_checks_on_conversion(fields: dict, param: str) -> None
 
 
 def test_chat_four_stops_and_bias_at_limits_are_fine() -> None:
-    generation = intake.chat_request(chat(stop=["a", "b", "c", "d"], logit_bias={"5": 100, "3": -100}),
+    generation = chat_request(chat(stop=["a", "b", "c", "d"], logit_bias={"5": 100, "3": -100}),
                                      FakeRenderer(), 0.0)
     assert generation.stop.stop_strings == ("a", "b", "c", "d")
     assert generation.sampling.logit_bias == ((3, -100.0), (5, 100.0))
@@ -147,7 +156,7 @@ def test_chat_content_of_wrong_type_is_a_400_about_content() -> None:
 
 def test_chat_conversion_defaults() -> None:
     renderer = FakeRenderer()
-    generation = intake.chat_request(chat(), renderer, 0.0)
+    generation = chat_request(chat(), renderer, 0.0)
     assert isinstance(generation, GenerationRequest)
     assert generation.request_id.startswith("chatcmpl-")
     assert generation.prompt_ids == (100, 101, 102)
@@ -159,7 +168,7 @@ def test_chat_conversion_defaults() -> None:
 
 def test_chat_conversion_all_fields() -> None:
     renderer = FakeRenderer()
-    generation = intake.chat_request(chat(
+    generation = chat_request(chat(
         messages=[{"role": "system", "content": "be brief"},
                   {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                   {"role": "assistant", "content": None,
@@ -185,7 +194,7 @@ def test_chat_conversion_all_fields() -> None:
 
 
 def test_chat_max_tokens_used_without_max_completion_tokens() -> None:
-    assert intake.chat_request(chat(max_tokens=7), FakeRenderer(), 0.0).stop.max_new_tokens == 7
+    assert chat_request(chat(max_tokens=7), FakeRenderer(), 0.0).stop.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(("fields", "default", "expected"), [
@@ -195,19 +204,19 @@ def test_chat_max_tokens_used_without_max_completion_tokens() -> None:
     ({"temperature": 1.2}, 0.0, 1.2),
 ])
 def test_chat_temperature_precedence(fields: dict, default: float, expected: float) -> None:
-    assert intake.chat_request(chat(**fields), FakeRenderer(), default).sampling.temperature == expected
+    assert chat_request(chat(**fields), FakeRenderer(), default).sampling.temperature == expected
 
 
 def test_chat_top_k_positive_passes_through() -> None:
-    assert intake.chat_request(chat(top_k=5), FakeRenderer(), 0.0).sampling.top_k == 5
+    assert chat_request(chat(top_k=5), FakeRenderer(), 0.0).sampling.top_k == 5
 
 
 def test_chat_stop_list_kept_in_order() -> None:
-    assert intake.chat_request(chat(stop=["x", "y"]), FakeRenderer(), 0.0).stop.stop_strings == ("x", "y")
+    assert chat_request(chat(stop=["x", "y"]), FakeRenderer(), 0.0).stop.stop_strings == ("x", "y")
 
 
 def test_chat_request_ids_are_unique() -> None:
-    ids = {intake.chat_request(chat(), FakeRenderer(), 0.0).request_id for _ in range(20)}
+    ids = {chat_request(chat(), FakeRenderer(), 0.0).request_id for _ in range(20)}
     assert len(ids) == 20
 
 
@@ -222,7 +231,7 @@ def test_chat_request_ids_are_unique() -> None:
 def test_chat_image_to_text_only_model_names_the_part(messages: list[dict], param: str) -> None:
     renderer = FakeRenderer()
     with pytest.raises(BadRequest) as info:
-        intake.chat_request(chat(messages=messages), renderer, 0.0)
+        chat_request(chat(messages=messages), renderer, 0.0)
     assert info.value.param == param
     assert "vision" in info.value.message
     assert renderer.chats == []
@@ -280,8 +289,8 @@ def test_legacy_decoder_input_details_cannot_stream() -> None:
 
 
 def test_legacy_decoder_input_details_asks_for_the_prompts_logprobs() -> None:
-    [plain] = intake.legacy_requests(legacy({"inputs": "ab"}), FakeRenderer(), 16)
-    [scored] = intake.legacy_requests(legacy({"inputs": "ab", "parameters": {"decoder_input_details": True}}),
+    [plain] = legacy_requests(legacy({"inputs": "ab"}), FakeRenderer(), 16)
+    [scored] = legacy_requests(legacy({"inputs": "ab", "parameters": {"decoder_input_details": True}}),
                                       FakeRenderer(), 16)
     assert (plain.prompt_logprobs, scored.prompt_logprobs) == (None, 0)  # TGI's prefill has no alternatives
 
@@ -300,7 +309,7 @@ def test_legacy_string_input_is_one_request() -> None:
     renderer = FakeRenderer()
     parsed = legacy({"inputs": "ab"})
     assert parsed.prompts == ["ab"] and not parsed.is_batch
-    (generation,) = intake.legacy_requests(parsed, renderer, 16)
+    (generation,) = legacy_requests(parsed, renderer, 16)
     assert generation.request_id.startswith("gen-")
     assert generation.prompt_ids == (97, 98)
     assert renderer.encoded == [("ab", True)]
@@ -312,7 +321,7 @@ def test_legacy_string_input_is_one_request() -> None:
 def test_legacy_list_input_is_one_request_per_prompt() -> None:
     parsed = legacy({"inputs": ["a", "bc", "d"]})
     assert parsed.prompts == ["a", "bc", "d"] and parsed.is_batch
-    generations = intake.legacy_requests(parsed, FakeRenderer(), 16)
+    generations = legacy_requests(parsed, FakeRenderer(), 16)
     assert [g.prompt_ids for g in generations] == [(97,), (98, 99), (100,)]
     assert len({g.request_id for g in generations}) == 3
 
@@ -320,7 +329,7 @@ def test_legacy_list_input_is_one_request_per_prompt() -> None:
 def test_legacy_single_item_list_stays_a_batch() -> None:
     parsed = legacy({"inputs": ["a"]})
     assert parsed.is_batch
-    assert len(intake.legacy_requests(parsed, FakeRenderer(), 16)) == 1
+    assert len(legacy_requests(parsed, FakeRenderer(), 16)) == 1
 
 
 @pytest.mark.parametrize(("parameters", "temperature"), [
@@ -336,7 +345,7 @@ def test_legacy_single_item_list_stays_a_batch() -> None:
     ({"do_sample": False, "temperature": 0.5}, 0.5),   # TGI: a temperature means sampling
 ])
 def test_legacy_do_sample_rules(parameters: dict, temperature: float) -> None:
-    (generation,) = intake.legacy_requests(legacy({"inputs": "x", "parameters": parameters}), FakeRenderer(), 16)
+    (generation,) = legacy_requests(legacy({"inputs": "x", "parameters": parameters}), FakeRenderer(), 16)
     assert generation.sampling.temperature == temperature
 
 
@@ -346,7 +355,7 @@ def test_legacy_parameters_map_onto_sampling_and_stop() -> None:
         "repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.3, "seed": 5,
         "stop": "###", "stop_sequences": ["\n\n", "END"], "top_n_tokens": 2, "ignore_eos": True,
         "details": True, "return_full_text": True}}
-    (generation,) = intake.legacy_requests(legacy(body), FakeRenderer(), 16)
+    (generation,) = legacy_requests(legacy(body), FakeRenderer(), 16)
     assert generation.sampling == SamplingParams(
         temperature=0.8, top_p=0.95, top_k=50, min_p=0.1, repetition_penalty=1.1, frequency_penalty=0.2,
         presence_penalty=0.3, seed=5)
@@ -356,24 +365,24 @@ def test_legacy_parameters_map_onto_sampling_and_stop() -> None:
 
 def test_legacy_stop_list_and_stop_sequences_merged() -> None:
     body = {"inputs": "x", "parameters": {"stop": ["a", "b"], "stop_sequences": ["c"]}}
-    (generation,) = intake.legacy_requests(legacy(body), FakeRenderer(), 16)
+    (generation,) = legacy_requests(legacy(body), FakeRenderer(), 16)
     assert generation.stop.stop_strings == ("a", "b", "c")
 
 
 def test_legacy_max_new_tokens_default_from_argument() -> None:
     parsed = legacy({"inputs": "x"})
-    assert intake.legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 77
+    assert legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 77
     parsed = legacy({"inputs": "x", "parameters": {"max_new_tokens": 3}})
-    assert intake.legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 3
+    assert legacy_requests(parsed, FakeRenderer(), 77)[0].stop.max_new_tokens == 3
 
 
 def test_fit_prompt_keeps_the_tail_and_room_to_generate() -> None:
     from handler.engine.backend import EngineLimits
-    from handler.engine.lean.engine import Engine
+    from handler.engine.core.checks import fit_prompt
 
-    engine = Engine(lambda: None, EngineLimits(max_running=4, max_model_len=100, max_step_tokens=64))
+    limits = EngineLimits(max_running=4, max_model_len=100, max_step_tokens=64)
     request = GenerationRequest("r", tuple(range(500)), stop=StopConditions(max_new_tokens=10), truncate_prompt=True)
-    fitted = engine.fit_prompt(request)
+    fitted = fit_prompt(request, limits)
     assert fitted.prompt_ids == tuple(range(410, 500))
     untouched = GenerationRequest("r", tuple(range(500)), stop=StopConditions(max_new_tokens=10))
-    assert engine.fit_prompt(untouched) is untouched
+    assert fit_prompt(untouched, limits) is untouched

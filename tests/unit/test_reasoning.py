@@ -1,4 +1,4 @@
-"""The reasoning split (prompt.reasoning) over text deltas: any cut of the text gives the whole text's split, tags
+"""The reasoning split (parsing.reasoning) over text deltas: any cut of the text gives the whole text's split, tags
 cut across deltas included; the template detection; the grammar gate's Lark."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from handler.engine.core.grammars import gated_grammar
 from handler.engine.types import GrammarSpec, ReasoningGate
-from handler.prompt.reasoning import (
+from handler.parsing.reasoning import (
     CONTENT,
     REASONING,
     TOOL_CALL,

@@ -11,16 +11,17 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from handler.endpoints.invocations import sniff_schema
+from handler.endpoints.responses import ResponseStore, StoredResponse
 from handler.engine.types import FinishReason
 from handler.errors import BadRequest
 from handler.formatting import legacy
 from handler.formatting import responses as fmt
-from handler.formatting.context import LegacyContext, ResponsesContext
 from handler.formatting.framing import typed_sse
+from handler.formatting.legacy import LegacyContext
+from handler.formatting.responses import ResponsesContext
 from handler.protocol.common import ExtraParameters, parse_model, parse_request
 from handler.protocol.responses import ResponsesRequest, responses_param
-from handler.response_store import ResponseStore, StoredResponse
-from handler.server import sniff_schema
 from tests.unit.test_formatting import ctx, ev, hello_events
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -283,6 +284,14 @@ def test_tgi_details_have_prefill_and_seed_and_no_inputs() -> None:
     details = record["details"]
     assert details["seed"] == 7 and details["prefill"] == [] and "inputs" not in details
     assert details["tokens"][0] == {"id": 5, "text": "Hel", "logprob": -0.1, "special": False}
+
+
+@pytest.mark.parametrize(("is_tgi", "key"), [(True, "logprob"), (False, "log_prob")])
+def test_a_failed_legacy_stream_ends_with_a_line_in_its_own_spelling(is_tgi: bool, key: str) -> None:
+    events = iter([ev(0, 5, "Hel", -0.1), ev(0, None, "", finish=FinishReason.ERROR, error="boom", generated=1)])
+    lines = list(legacy.generated_lines(events, "Say", ctx(LegacyContext, is_tgi=is_tgi)))
+    assert lines[-1] == {"token": {"id": -1, "text": "", key: None, "special": True}, "generated_text": None,
+                         "details": {"finish_reason": "error", "generated_tokens": 1}, "error": "boom"}
 
 
 # ---- reasoning models -------------------------------------------------------------------------------------------

@@ -9,22 +9,10 @@ from pathlib import Path
 import pytest
 
 from handler.engine.core.json_rules import apply_json_rules
-from handler.prompt.tool_calls import (
-    FORMATS,
-    HERMES,
-    LLAMA3_JSON,
-    MISTRAL,
-    CallDelta,
-    ContentDelta,
-    ToolCall,
-    ToolCallStream,
-    call_grammar,
-    detect_format,
-    parse_tool_calls,
-    render_calls,
-    template_renders_tools,
-    tools_system_prompt,
-)
+from handler.parsing.dialects import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, ToolCall, detect_format
+from handler.parsing.grammars import call_grammar
+from handler.parsing.tool_stream import CallDelta, ContentDelta, ToolCallStream, parse_tool_calls
+from handler.prompt.tools import render_calls, template_renders_tools, tools_system_prompt
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 
@@ -344,6 +332,23 @@ def test_tools_system_prompt(fmt: str, marker: str) -> None:
     assert json.dumps({"type": "function", "function": TIME_TOOL}, ensure_ascii=False) in prompt
     assert marker in prompt
     assert prompt.startswith("# Tools\n")
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt_and_earlier_calls_in_the_text() -> None:
+    """The renderer's path for templates that ignore ``tools=`` (the embedded SmolLM2's): the functions described in
+    a system message, an earlier call written into the assistant's text in the model's dialect."""
+    if not MODEL_DIR.joinpath("tokenizer.json").exists():
+        pytest.skip("the embedded model is not assembled")
+    from handler.engine.core.tokenizer import load_tokenizer
+    from handler.prompt.renderer import PromptRenderer
+
+    renderer = PromptRenderer(load_tokenizer(MODEL_DIR))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = renderer.chat_text(messages, [WEATHER_TOOL])
+    assert tools_system_prompt([WEATHER_TOOL], renderer.tool_format) in text
+    assert render_calls([call], renderer.tool_format) in text
 
 
 # --- grammars ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from handler.config import Settings, load_settings
 from handler.engine.backend import EngineLimits
+from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.json_rules import INTEGER_LIMIT, JSON_LAYOUT
 from handler.engine.types import (
     BeamParams,
@@ -26,11 +27,10 @@ from handler.engine.types import (
 from handler.engine.vllm.args import (
     CPU_MEMORY_FRACTION,
     Placement,
-    check_request,
+    check_backend,
     cpu_thread_binding,
     engine_environment,
     engine_kwargs,
-    fit_prompt,
     grammar_source,
     prompt_inputs,
     sampling_kwargs,
@@ -303,6 +303,7 @@ def test_truncate_prompt_keeps_the_last_tokens() -> None:
 def test_requests_vllm_cannot_serve_are_refused_naming_the_field(bad: GenerationRequest, error: type,
                                                                   param: str) -> None:
     with pytest.raises(error) as info:
+        check_backend(bad)
         check_request(bad, LIMITS, vocab_size=1000)
         check_beams(bad, eos_token_ids=(0, 2), max_logprobs=10)  # 4 beams rank 12 candidates a beam
     assert info.value.param == param

@@ -1,4 +1,4 @@
-"""handler/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
+"""process/request_reader.py without a server: when the event loop holds a request as complete, and the error answers.
 
 The worker itself (deadlines, /ping beside busy threads, JSON errors) is exercised through the real server in
 tests/e2e/test_transport.py.
@@ -13,15 +13,13 @@ from gunicorn.http import errors as http_errors
 
 from handler.__main__ import gunicorn_options
 from handler.config import Settings
-from handler.request_reader import (
+from handler.process.answers import ReadTimeout, describe, error_response
+from handler.process.request_reader import (
     MORE,
     READY,
-    ReadTimeout,
     Refusal,
     RequestScanner,
     ScanLimits,
-    describe,
-    error_response,
 )
 
 LIMITS = ScanLimits(line=100, head=1000, body=50)
@@ -143,7 +141,7 @@ def test_an_unexpected_error_reading_one_connection_closes_it_and_not_the_event_
     import selectors
     import socket
 
-    from handler.request_reader import RequestReader
+    from handler.process.request_reader import RequestReader
 
     class Worker:
         log = logging.getLogger("test-worker")

@@ -74,7 +74,7 @@ def grammar_lark(source: str) -> str:
 # answer, which ends the output (``<|return|>`` is the model's end-of-sequence token). The markers are special tokens,
 # named as such (llguidance's ``<|...|>`` syntax); text lexemes never match a special token, so TEXT ends at
 # ``<|end|>``. Measured with a tokenizer carrying harmony's tokens (tests/unit/test_harmony.py). The free messages are
-# shared with gpt-oss's forced tool calls (``prompt.tool_calls.harmony_call_grammar``).
+# shared with gpt-oss's forced tool calls (``parsing.grammars.harmony_call_grammar``).
 HARMONY_MESSAGES = """message: <|channel|> ("analysis" | "commentary") <|message|> TEXT <|end|> <|start|> "assistant"
 TEXT: /(?s:.*)/
 """

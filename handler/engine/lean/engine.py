@@ -14,7 +14,6 @@ nothing of HTTP or Prometheus.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from handler import threads
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.constraints import GrammarCompiler
 from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
@@ -124,7 +124,7 @@ class Engine:
         if self._loaded.path == "encoder":
             raise BadRequest(f"this model serves embeddings only (POST /v1/embeddings): {self._loaded.path_reason}",
                              param=request.prompt_param)
-        request = self.fit_prompt(request)
+        request = fit_prompt(request, self.limits)
         self.validate(request)
         adapter = self._resolve_adapter(request)
         state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
@@ -175,42 +175,12 @@ class Engine:
             raise Unprocessable("this model cannot constrain its output", param=request.grammar.param)
         return self._loaded.grammar.compile(request.grammar)
 
-    def fit_prompt(self, request: GenerationRequest) -> GenerationRequest:
-        """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one
-        token) fit the context (Databricks' ``error_behavior: truncate``)."""
-        limit = self.limits.max_model_len
-        reserve = min(request.stop.max_new_tokens or 1, limit - 1)
-        if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
-            return request
-        if request.prompt_embeds is not None or request.prompt_images is not None:
-            raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
-                             "images", param=request.prompt_param)
-        return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
-
     def validate(self, request: GenerationRequest) -> None:
-        num_prompt = len(request.prompt_ids)
-        if num_prompt == 0:
-            raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
-        if num_prompt >= self.limits.max_model_len:
-            raise BadRequest(f"the prompt has {num_prompt} tokens; this model's context is "
-                             f"{self.limits.max_model_len} tokens (option.max_model_len), prompt and completion "
-                             "together", param=request.prompt_param)
-        if request.n > self.limits.max_running:
-            raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the "
-                             f"{self.limits.max_running} sequences this server runs at once "
-                             "(option.max_rolling_batch_size)", param="n")
+        check_request(request, self.limits, self._loaded.vocab_size if self._loaded else None)
         if request.beam is not None:
-            self._check_beams(request)
+            self._check_beam_memory(request)
         if request.speculation is not None:
             self._check_speculation(request)
-        vocab = self._loaded.vocab_size if self._loaded else None
-        if vocab is not None and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab:  # token prompts
-            raise BadRequest(f"the prompt has a token id outside the vocabulary (0..{vocab - 1})",
-                             param=request.prompt_param)
-        for token_id, _bias in request.sampling.logit_bias:
-            if vocab is not None and not 0 <= token_id < vocab:
-                raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab - 1})",
-                                 param="logit_bias")
 
     def _check_speculation(self, request: GenerationRequest) -> None:
         """A request's own drafting needs the server's (option.speculative_draft_model); a confidence threshold
@@ -226,13 +196,10 @@ class Engine:
             raise BadRequest("beam search is not drafted for; leave out num_assistant_tokens and "
                              "assistant_confidence_threshold", param=asked.param)
 
-    def _check_beams(self, request: GenerationRequest) -> None:
-        """A beam search runs all its beams at once, each with room for the whole answer: refused when the batch
-        or the KV memory could never hold them."""
+    def _check_beam_memory(self, request: GenerationRequest) -> None:
+        """A beam search runs all its beams at once, each with room for the whole answer: refused when the KV
+        memory could never hold them."""
         beam = request.beam
-        if beam.width > self.limits.max_running:
-            raise BadRequest(f"beam search with {beam.width} beams needs {beam.width} sequences at once; this server "
-                             f"runs {self.limits.max_running} (option.max_rolling_batch_size)", param=beam.param)
         space = self._loop.scheduler.space if self._loop is not None else None
         budget, per_token = getattr(space, "budget", None), getattr(space, "bytes_per_token", 0)
         room = self.limits.max_model_len - len(request.prompt_ids)

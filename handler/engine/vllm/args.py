@@ -20,16 +20,14 @@ The meanings are the lean engine's (``types.py``), so both backends answer a req
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from handler.config import Settings
-from handler.engine.backend import EngineLimits
 from handler.engine.core.grammars import to_lark
 from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
 from handler.engine.types import GenerationRequest, GrammarSpec
-from handler.errors import BadRequest, ConfigError, Unprocessable
+from handler.errors import ConfigError, Unprocessable
 
 # On CPU, vLLM reads gpu_memory_utilization as the fraction of the machine's RAM it reserves (KV cache and
 # activations); its 0.9 default refuses to start when the RAM is not that free. 0.2 served the embedded model here.
@@ -224,19 +222,6 @@ def max_new_tokens(request: GenerationRequest, max_model_len: int) -> int:
     return room if wanted is None else min(wanted, room)
 
 
-def fit_prompt(request: GenerationRequest, limits: EngineLimits) -> GenerationRequest:
-    """With ``truncate_prompt``, drop the prompt's oldest tokens so that it and max_new_tokens (at least one token)
-    fit the context, as the lean engine does (``Engine.fit_prompt``)."""
-    limit = limits.max_model_len
-    reserve = min(request.stop.max_new_tokens or 1, limit - 1)
-    if not request.truncate_prompt or len(request.prompt_ids) <= limit - reserve:
-        return request
-    if request.prompt_images is not None:
-        raise BadRequest("a prompt with images cannot be truncated to fit the context; send fewer or smaller "
-                         "images", param=request.prompt_param)
-    return dataclasses.replace(request, prompt_ids=request.prompt_ids[len(request.prompt_ids) - (limit - reserve):])
-
-
 def prompt_inputs(request: GenerationRequest) -> dict:
     """vLLM's ``TokensPrompt`` for the request: its token ids, or with images the prompt as the model's processor
     takes it (one placeholder per image, which vLLM expands as ``prompt_ids`` already is) and the decoded images."""
@@ -249,15 +234,9 @@ def prompt_inputs(request: GenerationRequest) -> dict:
     return inputs
 
 
-def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: int) -> None:
-    """The lean engine's refusals at submit (``Engine.validate``), with the same messages; ``prompt_ids`` is the
-    prompt as the model sees it (image placeholders expanded), so a prompt too long with its images is refused here
-    as on the lean engine. Image embeddings computed by our own vision tower are not taken: vLLM runs the tower."""
-    num_prompt = len(request.prompt_ids)
-    beam = request.beam
-    if beam is not None and beam.width > limits.max_running:
-        raise BadRequest(f"beam search with {beam.width} beams needs {beam.width} sequences at once; this server "
-                         f"runs {limits.max_running} (option.max_rolling_batch_size)", param=beam.param)
+def check_backend(request: GenerationRequest) -> None:
+    """What this backend refuses beyond every backend's checks (``core.checks``): a request's own drafting, and
+    image embeddings computed by our own vision tower (vLLM runs the tower on the images)."""
     if request.speculation is not None:
         raise Unprocessable("vLLM drafts option.speculative_length tokens a step for every request "
                             "(speculative_config); a request's own drafting is the lean engine's",
@@ -265,18 +244,6 @@ def check_request(request: GenerationRequest, limits: EngineLimits, vocab_size: 
     if request.prompt_embeds is not None:
         raise Unprocessable("image embeddings are not passed to the vLLM backend; it takes the images themselves",
                             param=request.prompt_param)
-    if num_prompt == 0:
-        raise BadRequest("the prompt is empty after tokenisation", param=request.prompt_param)
-    if num_prompt >= limits.max_model_len:
-        raise BadRequest(f"the prompt has {num_prompt} tokens; this model's context is {limits.max_model_len} "
-                         "tokens (option.max_model_len), prompt and completion together", param=request.prompt_param)
-    if request.n > limits.max_running:
-        raise BadRequest(f"{request.n} choices (n, or best_of when given) are more than the {limits.max_running} "
-                         "sequences this server runs at once (option.max_rolling_batch_size)", param="n")
-    for token_id, _bias in request.sampling.logit_bias:
-        if not 0 <= token_id < vocab_size:
-            raise BadRequest(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
-                             param="logit_bias")
 
 
 def sampling_kwargs(request: GenerationRequest, index: int, max_model_len: int,

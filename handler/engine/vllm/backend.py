@@ -30,6 +30,7 @@ import torch
 from handler import threads
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
+from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Sequence, Vocabulary
 from handler.engine.types import (
@@ -39,7 +40,7 @@ from handler.engine.types import (
     GenerationRequest,
 )
 from handler.engine.vllm.adapters import VllmAdapters
-from handler.engine.vllm.args import check_request, fit_prompt
+from handler.engine.vllm.args import check_backend
 from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
 from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
@@ -119,6 +120,7 @@ class VllmBackend:
         if self._embeds_only:
             raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings)",
                              param=request.prompt_param)
+        check_backend(request)
         request = fit_prompt(request, self.limits)
         check_request(request, self.limits, self._vocab_size)
         if request.grammar is not None:

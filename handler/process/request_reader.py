@@ -4,25 +4,24 @@ The request line, the headers and a body of up to ``MAX_BODY_BYTES`` (``Content-
 with non-blocking reads into a buffer (``RequestScanner``: h11 tells where each request ends), under one deadline
 per request (``option.request_read_timeout``), and only a complete request goes on (``RequestReader``): its bytes
 are handed to gunicorn's own parser (``DeadlineConn``), which then never waits on the socket, and what it still
-reads is bounded by the same deadline (``DeadlineUnreader``). The error answers the reader and the worker give
-(``error_response``, ``describe``) are the server's JSON shapes: OpenAI's on ``/v1/*``, the legacy one elsewhere.
+reads is bounded by the same deadline (``DeadlineUnreader``). Its error answers are ``answers``'.
+
+May import: ``handler.errors``, gunicorn and h11 (it runs before any route: nothing of the app).
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 
 import h11
-from gunicorn.http import errors as http_errors
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers import gthread
 
-from handler.errors import ServingError
+from handler.process.answers import ReadTimeout, error_response
 
+MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit; the app answers a longer body with a 413
 # Pool threads for GET /ping alone: it never waits on the model, so two keep it answered whatever else is running.
 PING_THREADS = 2
 # The request line and headers together; nginx, ALB and Node stop between 8 and 64 KiB.
@@ -37,10 +36,6 @@ CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
 MAX_REQUEST_LINE = 8190  # gunicorn's own ceiling on limit_request_line
 FD_RESERVE = 256         # file descriptors a worker needs besides its connections (model files, pipes, fetches)
-
-
-class ReadTimeout(TimeoutError):
-    """The request was not fully received within ``option.request_read_timeout``."""
 
 
 # ---- the request scanner: when has a whole request arrived? -------------------------------------------------------
@@ -59,7 +54,7 @@ class Refusal:
 class ScanLimits:
     line: int = 4094                    # gunicorn's limit_request_line
     head: int = MAX_HEAD_BYTES
-    body: int = 6 * 1024 * 1024         # a larger body is refused by the app (413) after it reads one byte more
+    body: int = MAX_BODY_BYTES          # a larger body is refused by the app (413) after it reads one byte more
 
 
 class RequestScanner:
@@ -161,52 +156,6 @@ class RequestScanner:
                     return READY  # over the limit: the app reads one byte more than it allows and says 413
             else:
                 return READY  # EndOfMessage (or PAUSED: an upgrade, for gunicorn to judge)
-
-
-# ---- error answers ----------------------------------------------------------------------------------------------
-def error_response(status: int, reason: str, message: str, code: str, path: str) -> bytes:
-    """A complete ``Connection: close`` response in the server's error shapes (see ``server.serving_error``)."""
-    error = ServingError(message, code=code)
-    error.status_code = status
-    error.error_type = "invalid_request_error" if status < 500 else "internal_error"
-    if path.startswith("/v1/"):
-        payload: dict = {"error": error.to_dict()}
-    else:
-        payload = {"error": message, "error_type": error.error_type, "param": None, "code": status}
-    body = json.dumps(payload).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nX-Request-Id: req-{uuid.uuid4().hex}\r\n\r\n")
-    return head.encode("latin-1") + body
-
-
-_e = http_errors
-# gunicorn's client errors, first match wins: (exception classes, status, reason, message prefix, code); the
-# statuses are gunicorn's own (base.Worker.handle_error). Status None: not the client's mistake (a 500).
-CLIENT_ERRORS = [
-    ((ReadTimeout,), 408, "Request Timeout", "", "request_timeout"),
-    ((_e.InvalidResponseHeader, _e.InvalidResponseHeaderName, _e.ConfigurationProblem), None, "", "", ""),
-    ((_e.LimitRequestLine,), 414, "URI Too Long", "the request line is too long: ", "request_line_too_long"),
-    ((_e.LimitRequestHeaders,), 431, "Request Header Fields Too Large", "request headers too large: ",
-     "headers_too_large"),
-    ((_e.UnsupportedTransferCoding,), 501, "Not Implemented", "", "unsupported_transfer_coding"),
-    ((_e.ExpectationFailed,), 417, "Expectation Failed", "", "expectation_failed"),
-    ((_e.ForbiddenProxyRequest,), 403, "Forbidden", "request forbidden: ", "forbidden"),
-    ((_e.InvalidChunkSize, _e.ChunkMissingTerminator, _e.InvalidChunkExtension), 400, "Bad Request",
-     "malformed chunked body: ", "bad_request"),
-    ((_e.ParseException,), 400, "Bad Request", "malformed request: ", "bad_request"),
-]
-
-
-def describe(exc: BaseException) -> tuple[int, str, str, str] | None:
-    """A client error as (status, reason, message, code); None for anything else (a server fault: a header the
-    application wrote, a configuration problem, a bug)."""
-    for classes, status, reason, prefix, code in CLIENT_ERRORS:
-        if isinstance(exc, classes):
-            if status is None:
-                return None
-            detail = str(exc) if isinstance(exc, ReadTimeout) else f"{type(exc).__name__}: {exc}"
-            return status, reason, prefix + detail, code
-    return None
 
 
 # ---- the worker -------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """gunicorn's gthread worker, made so that slow or idle clients cannot hold its request threads.
 
-gunicorn 27's gthread worker hands each new connection to a pool thread, which reads the request with blocking
+gunicorn's gthread worker hands each new connection to a pool thread, which reads the request with blocking
 ``recv`` calls and no deadline: a client that sends one header byte every few seconds, or a body that never comes,
-holds a thread for ever, and 128 of them (the thread count) stopped /ping and every other route (issue #17).
+holds a thread for ever, and as many such clients as there are threads stop /ping and every other route.
 
 ``DeadlineWorker`` reads each request on the worker's event loop instead, without a thread (``request_reader``),
 and only a complete request goes to a pool thread. This module is the worker's life: its start (connection and
@@ -25,6 +25,8 @@ gunicorn's own errors in our shapes. So pool threads run only requests that have
   ``limit_request_field_size``, a bad chunk) answer in the server's JSON error shapes instead of gunicorn's HTML:
   OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on ``/v1/*``, the legacy ``{"error",
   "error_type", "param", "code"}`` elsewhere. A client's mistake is logged in one line, without a traceback.
+
+May import: ``handler.process.request_reader`` and gunicorn (the master loads this module: nothing of the app).
 """
 
 from __future__ import annotations
@@ -42,17 +44,16 @@ from gunicorn import util
 from gunicorn.http import errors as http_errors
 from gunicorn.workers import gthread
 
-from handler.request_reader import (
+from handler.process.answers import ReadTimeout, describe, error_response
+from handler.process.request_reader import (
     FD_RESERVE,
+    MAX_BODY_BYTES,
     MAX_REQUEST_LINE,
     PING_THREADS,
     DeadlineConn,
-    ReadTimeout,
     RequestReader,
     ScanLimits,
     closing_after_broken_bodies,
-    describe,
-    error_response,
 )
 
 
@@ -72,8 +73,6 @@ class DeadlineWorker(gthread.ThreadWorker):
         self._accept_warned = 0.0
 
     def init_process(self) -> None:
-        from handler.server import MAX_BODY_BYTES  # the worker loads the app next; the master never imports it
-
         line = self.cfg.limit_request_line
         self.reader.limits = ScanLimits(line=line if 0 < line <= MAX_REQUEST_LINE else MAX_REQUEST_LINE,
                                         body=MAX_BODY_BYTES)
