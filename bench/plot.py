@@ -24,6 +24,7 @@ class Panel:
     series: dict[str, list[tuple[float, float]]]
     limit: float | None = None
     marks: list[float] = field(default_factory=list)  # x positions of vertical event lines (storms, ...)
+    dotted: set[str] = field(default_factory=set)     # series drawn as dots
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -47,16 +48,19 @@ def draw_panels(panels: list[Panel], path: Path | str, title: str, x_label: str 
     font = ImageFont.load_default(size=14)
     draw.text((LEFT, 10), title, fill="black", font=font)
     xs = [x for panel in panels for points in panel.series.values() for x, _ in points]
+    # one colour per series' first word, the same in every panel ("text" and "text KV" share one)
+    bases = sorted({name.split()[0] for panel in panels for name in panel.series})
+    colours = {base: COLOURS[number % len(COLOURS)] for number, base in enumerate(bases)}
     x_low, x_high = (min(xs), max(xs)) if xs else (0.0, 1.0)
     for index, panel in enumerate(panels):
         top = TOP + index * PANEL_HEIGHT
         _draw_panel(draw, font, panel, (LEFT, top + 10, WIDTH - RIGHT, top + PANEL_HEIGHT - 30), (x_low, x_high),
-                    x_label if index == len(panels) - 1 else "")
+                    x_label if index == len(panels) - 1 else "", colours)
     image.save(path)
 
 
 def _draw_panel(draw: ImageDraw.ImageDraw, font, panel: Panel, box: tuple[int, int, int, int],
-                x_range: tuple[float, float], x_label: str) -> None:
+                x_range: tuple[float, float], x_label: str, colours: dict[str, tuple[int, int, int]]) -> None:
     left, top, right, bottom = box
     ys = [y for points in panel.series.values() for _, y in points] + ([panel.limit] if panel.limit else [])
     y_range = (0.0, max(ys) * 1.1 if ys and max(ys) > 0 else 1.0)
@@ -76,8 +80,12 @@ def _draw_panel(draw: ImageDraw.ImageDraw, font, panel: Panel, box: tuple[int, i
         for start in range(left, right, 12):
             draw.line([(start, y), (min(start + 6, right), y)], fill=(120, 120, 120), width=1)
     for number, (name, points) in enumerate(sorted(panel.series.items())):
-        colour = COLOURS[number % len(COLOURS)]
-        if len(points) > 1:
+        colour = colours[name.split()[0]]
+        if name in panel.dotted:
+            for x, y in points:
+                px, py = at(x, y)
+                draw.ellipse([px - 1.5, py - 1.5, px + 1.5, py + 1.5], fill=colour)
+        elif len(points) > 1:
             draw.line([at(x, y) for x, y in points], fill=colour, width=2)
         draw.text((right - 10 - 120 * number, top + 6), f"- {name}", fill=colour, font=font, anchor="ra")
     draw.text((left + 8, top + 6), panel.label, fill="black", font=font)

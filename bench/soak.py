@@ -54,6 +54,7 @@ from bench.plot import Panel, draw_panels
 from bench.slow_clients import Attackers
 from bench.soak_traffic import (
     ORDINARY_KINDS,
+    STREAMED_KINDS,
     VISION_KINDS,
     Tally,
     fuzz_client,
@@ -73,7 +74,7 @@ from tests.vision_fixture import ImageServer, SlowImageServer, png_bytes
 OUT = Path(__file__).resolve().parent / "out"
 PING_EVERY_S = 0.5
 RSS_LIMIT_MB = 3072
-FLAT_FLOORS = {"rss_mb": 64, "fds": 64, "threads": 8}  # a trend smaller than this (or 5 %) is flat
+FLAT_FLOORS = {"rss_mb": 64, "rest_mb": 64, "kv_mb": 64, "fds": 64, "threads": 8}  # a trend below this (or 5 %) is flat
 FLAT_MIN_MINUTES = 10
 
 
@@ -129,8 +130,8 @@ class Soak:
                                                            self.epoch, sender), daemon=True)
         prober.start()
         sampling = threading.Event()
-        masters = {name: server.process.pid for name, server in self.servers.items()}
-        sampler = threading.Thread(target=sample_workers, args=(masters, max(1.0, seconds / 360), self.epoch,
+        watched = {name: (server.process.pid, server.url) for name, server in self.servers.items()}
+        sampler = threading.Thread(target=sample_workers, args=(watched, max(1.0, seconds / 360), self.epoch,
                                                                 sampling, self.samples), daemon=True)
         sampler.start()
         host, port = text.removeprefix("http://").split(":")
@@ -271,17 +272,23 @@ def trend(points: list[tuple[float, float]]) -> float:
 
 
 def resource_summary(samples: list[dict], server: str, seconds: float) -> dict:
-    mine = [s for s in samples if s["server"] == server]
+    """First, peak and last of each figure of the server's (last) worker during the mix, and its trend over the
+    mix's last third. ``rest_mb`` is the RSS less the KV cache the engine allocated (which grows with the load up
+    to its budget): what a leak would show in."""
+    mine = [s for s in samples if s["server"] == server and s["at"] <= seconds]
     if not mine:
         return {}
     last = mine[-1]["pid"]
-    latest = [s for s in mine if s["pid"] == last]
+    latest = [{**s, "rest_mb": s["rss_mb"] - (s["kv_mb"] or 0)} for s in mine if s["pid"] == last]
     third = [s for s in latest if s["at"] >= latest[-1]["at"] - seconds / 3] or latest
-    summary: dict = {"worker_pids_seen": len({s["pid"] for s in mine})}
-    for key in ("rss_mb", "fds", "threads"):
-        values = [s[key] for s in latest]
-        growth = trend([(s["at"], s[key]) for s in third])
-        allowed = max(0.05 * statistics.median(s[key] for s in third), FLAT_FLOORS[key])
+    summary: dict = {"worker_pids_seen": len({s["pid"] for s in mine}),
+                     "kv_budget_mb": next((s["kv_budget_mb"] for s in latest if s["kv_budget_mb"]), None)}
+    for key in ("rss_mb", "rest_mb", "kv_mb", "fds", "threads"):
+        values = [s[key] for s in latest if s[key] is not None]
+        if not values:
+            continue
+        growth = trend([(s["at"], s[key]) for s in third if s[key] is not None])
+        allowed = max(0.05 * statistics.median(values[-len(third):]), FLAT_FLOORS.get(key, 64))
         summary[key] = {"first": values[0], "max": max(values), "last": values[-1],
                         "last_third_trend": round(growth, 1), "flat_within": round(allowed, 1),
                         "flat": growth <= allowed}
@@ -300,6 +307,10 @@ def judge(result: dict, args: argparse.Namespace) -> list[tuple[str, bool, str]]
     bad = [o for o in ordinary if o["verdict"] not in ("completed", "refused")]
     targets.append(("ordinary requests completed or refused clearly: 100 %", not bad and bool(ordinary),
                     f"{len(ordinary) - len(bad)}/{len(ordinary)}"))
+    streams = [o for o in ordinary if o["kind"] in STREAMED_KINDS and o["status"] == 200]
+    cut = [o for o in streams if o["verdict"] == "broken"]
+    targets.append(("every stream that started ended with a final record", not cut and bool(streams),
+                    f"{len(streams) - len(cut)}/{len(streams)}"))
     hostile = [o for o in outcomes if o["kind"] not in ORDINARY_KINDS + VISION_KINDS]
     wrong = [o for o in hostile if o["verdict"] not in ("completed", "refused")]
     targets.append(("fuzz, malformed HTTP, pixel bombs, 7k prompts: no 500, no hang", not wrong,
@@ -329,14 +340,18 @@ def judge(result: dict, args: argparse.Namespace) -> list[tuple[str, bool, str]]
 
 
 def plot(result: dict, path: Path, minutes: float) -> None:
+    marks = [s["at"] / 60 for s in result["storms"]] + [minutes]
     panels = []
-    for key, label, limit in (("rss_mb", "worker RSS (MB)", RSS_LIMIT_MB), ("fds", "open fds", None),
-                              ("threads", "threads", None)):
+    for key, label in (("rss_mb", "worker RSS (MB); KV cache allocated, dotted"), ("fds", "open fds"),
+                       ("threads", "threads")):
         series = {server: [(s["at"] / 60, s[key]) for s in result["samples"] if s["server"] == server]
                   for server in ("text", "vision")}
-        panels.append(Panel(label, series, limit if key == "rss_mb" else None,
-                            [s["at"] / 60 for s in result["storms"]]))
-    draw_panels(panels, path, f"bench.soak, {minutes:g} min: each server's worker (storms marked; dashed: 3 GB)")
+        if key == "rss_mb":
+            series["text KV"] = [(s["at"] / 60, s["kv_mb"]) for s in result["samples"]
+                                 if s["server"] == "text" and s["kv_mb"] is not None]
+        panels.append(Panel(label, series, RSS_LIMIT_MB if key == "rss_mb" else None, marks, {"text KV"}))
+    draw_panels(panels, path, f"bench.soak, {minutes:g} min of the mix (grey lines: storms, and the mix's end); "
+                              "each server's worker; dashed: 3 GB")
 
 
 def main(argv: list[str] | None = None) -> int:

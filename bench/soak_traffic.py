@@ -36,6 +36,7 @@ HANG_MARGIN_S = 30.0           # past the server's request deadline, an unanswer
 CLEAR_REFUSALS = {429, 503, 504}
 ORDINARY_KINDS = ["chat-jsonl", "chat-sse", "chat-sse-invocations", "legacy-jsonl", "chat-plain", "legacy-plain"]
 VISION_KINDS = ["vision-plain", "vision-sse"]
+STREAMED_KINDS = {"chat-jsonl", "chat-sse", "chat-sse-invocations", "legacy-jsonl", "vision-sse"}
 
 
 @dataclass
@@ -285,21 +286,36 @@ def probe_pings(urls: dict[str, str], seconds: float, every: float, epoch: float
     sink.close()
 
 
-def sample_workers(masters: dict[str, int], every: float, epoch: float, stop: threading.Event,
+def kv_bytes(url: str) -> tuple[float | None, float | None]:
+    """(KV-cache bytes allocated, the budget) from /metrics; Nones when it did not answer."""
+    try:
+        text = requests.get(f"{url}/metrics", timeout=5).text
+    except requests.RequestException:
+        return None, None
+    values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("llm_kv_cache_allocated_bytes ", "llm_kv_cache_budget_bytes "))}
+    return values.get("llm_kv_cache_allocated_bytes"), values.get("llm_kv_cache_budget_bytes")
+
+
+def sample_workers(servers: dict[str, tuple[int, str]], every: float, epoch: float, stop: threading.Event,
                    samples: list[dict]) -> None:
-    """Each server's worker processes every ``every`` seconds: RSS (MB), open file descriptors, threads."""
+    """Each server's worker processes every ``every`` seconds: RSS (MB), open file descriptors, threads, and the
+    KV cache the engine has allocated (MB; it grows with the load up to its budget, and is part of the RSS)."""
     while not stop.is_set():
-        for name, master in masters.items():
+        for name, (master, url) in servers.items():
             try:
                 workers = psutil.Process(master).children()
             except psutil.Error:
                 continue
+            allocated, budget = kv_bytes(url)
             for worker in workers:
                 try:
                     with worker.oneshot():
                         samples.append({"server": name, "pid": worker.pid, "at": round(time.time() - epoch, 2),
                                         "rss_mb": round(worker.memory_info().rss / 2**20, 1),
-                                        "fds": worker.num_fds(), "threads": worker.num_threads()})
+                                        "fds": worker.num_fds(), "threads": worker.num_threads(),
+                                        "kv_mb": None if allocated is None else round(allocated / 2**20, 1),
+                                        "kv_budget_mb": None if budget is None else round(budget / 2**20, 1)})
                 except psutil.Error:
                     pass
         stop.wait(every)
