@@ -40,6 +40,7 @@ import collections
 import json
 import multiprocessing
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -356,6 +357,10 @@ def plot(result: dict, path: Path, minutes: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the attack's sockets, and the clients'
+    want = args.stalled + args.idle + 512
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
     out = args.out or OUT
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
