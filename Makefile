@@ -5,7 +5,7 @@ MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
 VARIANT ?= cpu
 
-.PHONY: help serve test test-unit test-e2e venv model bench fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
+.PHONY: help serve test test-unit test-e2e venv model bench soak soak-ci fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## /  \1\t/' | expand -t 16
@@ -32,6 +32,12 @@ model: venv  ## assemble the embedded default model, build the int8 decode kerne
 
 bench: venv model  ## throughput / latency benchmark against a naive baseline
 	$(PY) -m bench.run
+
+soak: venv model  ## every attack at once beside ordinary traffic for 30 minutes; figures and a plot in bench/out
+	$(PY) -m bench.soak
+
+soak-ci: venv model  ## the same mix for 2 minutes (CI): fails on any missed target
+	$(PY) -m bench.soak --minutes 2
 
 fmt: venv  ## format with ruff
 	$(PY) -m ruff format handler djl_python tests bench devtools

@@ -116,9 +116,9 @@ def running_requests(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names))
 
 
-def disconnect_storm(url: str, count: int, stream: bool) -> dict:
-    """``count`` long requests (streams, or non-streaming ones, which write nothing until done) opened, then all
-    dropped at once: seconds until no request holds or waits for a slot."""
+def open_storm(url: str, count: int, stream: bool) -> list[socket.socket]:
+    """``count`` connections, each with a long request sent (a stream, or a non-streaming one, which writes nothing
+    until done) and nothing read: dropping them all at once is the storm."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"inputs": "Count:", "stream": stream,
                        "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}).encode()
@@ -129,6 +129,13 @@ def disconnect_storm(url: str, count: int, stream: bool) -> dict:
         sock = socket.create_connection((host, int(port)), timeout=10)
         sock.sendall(request)
         sockets.append(sock)
+    return sockets
+
+
+def disconnect_storm(url: str, count: int, stream: bool) -> dict:
+    """``count`` long requests (streams, or non-streaming ones) opened, then all dropped at once: seconds until no
+    request holds or waits for a slot."""
+    sockets = open_storm(url, count, stream)
     deadline = time.monotonic() + 60
     while not running_requests(url) > 0 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -1,7 +1,8 @@
 """Turn an image reference from a chat content part into an RGB ``PIL.Image.Image``.
 
-A reference is an ``http(s)://`` URL (fetched by :mod:`handler.images.fetch`, with its SSRF rules), a
-``data:image/<fmt>;base64,...`` URI, or bare base64 (as LMI accepts). Anything else is a 400 naming the field.
+A reference is an ``http(s)://`` URL (fetched by :mod:`handler.images.fetch`, under the SSRF rules of
+:mod:`handler.images.policy`), a ``data:image/<fmt>;base64,...`` URI, or bare base64 (as LMI accepts). Anything
+else is a 400 naming the field.
 
 The bytes are the only truth: the format is sniffed by Pillow from the data, never taken from a data URI's
 declared type or a Content-Type, and only common raster formats are opened (Pillow's rarer plugins, EPS with
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from PIL import Image, ImageOps
 
 from handler.errors import BadRequest
-from handler.images.fetch import FetchPolicy, fetch_image_bytes
+from handler.images.fetch import fetch_image_bytes
+from handler.images.policy import FetchPolicy
 
 # Formats Image.open may pick (phone JPEGs that are really MPO come in through JPEG).
 _FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")

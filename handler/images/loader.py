@@ -40,7 +40,8 @@ from PIL import Image
 
 from handler.errors import BadRequest, Overloaded
 from handler.images.decode import DecodeLimits, decode_image_bytes, fetch_policy, image_size, inline_bytes
-from handler.images.fetch import Deadline, FetchFailure, FetchPolicy, ImageFetchError, fetch_image_bytes
+from handler.images.fetch import Deadline, fetch_image_bytes
+from handler.images.policy import FetchFailure, FetchPolicy, ImageFetchError
 
 # What one decoded pixel costs at the peak of a request's image work: the RGB image and its decode buffers (about
 # 3.8 B/px measured) plus the processor's copies (the tiny Idefics3's peak was 7.9 B/px in one thread).

@@ -11,6 +11,7 @@ May import: ``handler.errors``, gunicorn and h11 (it runs before any route: noth
 
 from __future__ import annotations
 
+import collections
 import socket
 import time
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ class DeadlineConn(gthread.TConn):
         self.pending = b""    # the request's bytes, for the parser
         self.path = ""
         self.is_ping = False
+        self.active_at = 0.0  # time.monotonic() of its last activity while the event loop reads it
 
     def timeout_error(self) -> ReadTimeout:
         return ReadTimeout(f"the request was not received within {self.read_timeout_s:g} s "
@@ -231,12 +233,17 @@ class RequestReader:
     """A worker's requests while they arrive, on its event loop: each connection's bytes go to its
     ``RequestScanner`` under one read deadline; a whole request goes to the worker's pool (``enqueue_req``), a
     refused or late one gets its error answer here and the connection lingers briefly, then closes. The worker
-    owns the sockets' registration (``poller``), the connection count and the log."""
+    owns the sockets' registration (``poller``), the connection count and the log.
+
+    ``reading`` is kept in order of each connection's last activity (its start, its last bytes, its error answer):
+    the first is the one that has been quiet longest (``quietest``), which the worker closes for a new connection
+    when it is at its connection cap."""
 
     def __init__(self, worker, limits: ScanLimits) -> None:
         self.worker = worker              # gunicorn's ThreadWorker (DeadlineWorker)
         self.limits = limits
-        self.reading: set[DeadlineConn] = set()   # connections whose request is arriving (or being closed)
+        # connections whose request is arriving (or being closed), the quietest first
+        self.reading: collections.OrderedDict[DeadlineConn, None] = collections.OrderedDict()
         self.buffered = 0
 
     def start(self, conn: DeadlineConn, data: bytes) -> None:
@@ -244,9 +251,18 @@ class RequestReader:
         conn.scanner = RequestScanner(self.limits)
         conn.state, conn.received = DeadlineConn.READING, 0
         conn.deadline = time.monotonic() + self.worker.read_timeout_s
-        self.reading.add(conn)
+        self._active(conn)
         if data:
             self.take(conn, data)
+
+    def _active(self, conn: DeadlineConn) -> None:
+        conn.active_at = time.monotonic()
+        self.reading[conn] = None
+        self.reading.move_to_end(conn)
+
+    def quietest(self) -> DeadlineConn | None:
+        """The connection still sending its request (or lingering after an answer) that has been quiet longest."""
+        return next(iter(self.reading), None)
 
     def on_readable(self, conn: DeadlineConn, _sock) -> None:
         """The event loop's callback for a connection: an unexpected error closes that connection, never the
@@ -261,6 +277,8 @@ class RequestReader:
                 conn.close()
 
     def _readable(self, conn: DeadlineConn) -> None:
+        if conn.sock.fileno() < 0:  # closed earlier in this turn of the event loop (to make room at the cap)
+            return
         try:
             data = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -275,7 +293,9 @@ class RequestReader:
             self.start(conn, b"")
         if not data:
             self.drop(conn)
-        elif conn.state == DeadlineConn.CLOSING:
+            return
+        self._active(conn)
+        if conn.state == DeadlineConn.CLOSING:
             conn.received += len(data)
             if conn.received > CLOSE_DRAIN_BYTES:
                 self.drop(conn)
@@ -293,7 +313,7 @@ class RequestReader:
             self._dispatch(conn)
 
     def _forget(self, conn: DeadlineConn) -> None:
-        self.reading.discard(conn)
+        self.reading.pop(conn, None)
         if conn.scanner is not None:
             self.buffered -= len(conn.scanner.buffer)
         try:
@@ -327,7 +347,7 @@ class RequestReader:
             conn.scanner = None
         conn.state, conn.received = DeadlineConn.CLOSING, 0
         conn.deadline = time.monotonic() + CLOSE_LINGER_S
-        self.reading.add(conn)
+        self._active(conn)
 
     def drop(self, conn: DeadlineConn) -> None:
         self._forget(conn)

@@ -18,8 +18,13 @@ gunicorn's own errors in our shapes. So pool threads run only requests that have
   buffer budget) is bounded by the same deadline, each ``recv`` getting what is left of it;
 - ``GET /ping`` runs on a pool of its own (``PING_THREADS``), so it is answered even while every request thread is
   busy (generations, image fetches);
-- open connections per worker are capped by gunicorn's ``worker_connections`` (``option.max_connections``): past
-  it the worker stops accepting until one closes;
+- open connections per worker are capped by gunicorn's ``worker_connections`` (``option.max_connections``). At the
+  cap a new connection still gets in (a health check, fresh work): it takes the place of the connection that has
+  been quiet longest among those not being served (still sending its request, lingering after an error answer, or
+  kept alive between requests), which is closed. Stalled and slow-drip clients are the quietest, so past the cap
+  they are the ones cut, and /ping is accepted at once instead of waiting in the listen backlog for a read
+  deadline to free a place. Only when every connection is being served does the worker stop accepting (one over
+  the cap) until one ends;
 - a request head over ``MAX_HEAD_BYTES`` is a 431, a request line over gunicorn's ``limit_request_line`` a 414,
   and the errors gunicorn finds itself (malformed request line or header, a header over
   ``limit_request_field_size``, a bad chunk) answer in the server's JSON error shapes instead of gunicorn's HTML:
@@ -71,6 +76,9 @@ class DeadlineWorker(gthread.ThreadWorker):
         self.ping_pool: futures.ThreadPoolExecutor | None = None
         self.current = threading.local()          # the path of the request a pool thread is serving
         self._accept_warned = 0.0
+        self.connection_cap = self.worker_connections
+        self.num_made_room = 0                    # quiet connections closed at the cap, since the last log line
+        self._made_room_logged = 0.0
 
     def init_process(self) -> None:
         line = self.cfg.limit_request_line
@@ -78,6 +86,9 @@ class DeadlineWorker(gthread.ThreadWorker):
                                         body=MAX_BODY_BYTES)
         self.ping_pool = futures.ThreadPoolExecutor(max_workers=PING_THREADS, thread_name_prefix="ping")
         self._fit_connections_to_file_limit()
+        # gthread stops accepting at worker_connections: one more, so that it accepts at the cap (accept makes room)
+        self.connection_cap = self.worker_connections
+        self.worker_connections = self.connection_cap + 1
         super().init_process()
 
     def _fit_connections_to_file_limit(self) -> None:
@@ -128,6 +139,29 @@ class DeadlineWorker(gthread.ThreadWorker):
         conn = DeadlineConn(self.cfg, client, address, listener.getsockname(), self.read_timeout_s)
         self.reader.start(conn, b"")
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.reader.on_readable, conn))
+        if self.nr_conns > self.connection_cap:
+            self._make_room(conn)
+
+    def _make_room(self, newcomer: DeadlineConn | None) -> None:
+        """One over the cap: close the quietest connection not being served, the newcomer excepted (kept-alive ones
+        have been quiet since their last answer). None such: the worker stays one over, and gthread stops accepting
+        until a connection ends."""
+        reading = self.reader.quietest()
+        reading = reading if reading is not newcomer else None
+        idle = self.keepalived_conns[0] if self.keepalived_conns else None  # the deque is in order of timeout
+        if reading is not None and (idle is None or reading.active_at <= idle.timeout - self.cfg.keepalive):
+            self.reader.drop(reading)
+        elif idle is not None:
+            self.keepalived_conns.popleft()
+            try:
+                self.poller.unregister(idle.sock)
+            except (OSError, KeyError, ValueError):
+                pass
+            self.nr_conns -= 1
+            idle.close()
+        else:
+            return
+        self.num_made_room += 1
 
     def enqueue_req(self, conn: DeadlineConn) -> None:
         pool = self.ping_pool if getattr(conn, "is_ping", False) and self.ping_pool is not None else self.tpool
@@ -139,6 +173,11 @@ class DeadlineWorker(gthread.ThreadWorker):
         deadline (``RequestReader.expire``)."""
         super().murder_pending()
         self.reader.expire()
+        if self.num_made_room and time.monotonic() - self._made_room_logged >= 10:
+            self._made_room_logged = time.monotonic()
+            self.log.warning("at the connection cap (option.max_connections=%d): closed %d quiet connections for new "
+                             "ones", self.connection_cap, self.num_made_room)
+            self.num_made_room = 0
 
     def _cap_keepalive(self, deadline: float) -> None:
         """Stopping: connections that have not started a request close soon, as kept-alive ones do."""
@@ -153,6 +192,11 @@ class DeadlineWorker(gthread.ThreadWorker):
             keep = fs.result() if not fs.cancelled() else False
         except Exception:
             keep = False
+        self._take_back(conn, keep)
+        if self.nr_conns > self.connection_cap:  # one over while every connection was served: back to the cap
+            self._make_room(None)
+
+    def _take_back(self, conn: DeadlineConn, keep: bool) -> None:
         try:
             if not keep:  # gunicorn lingers on its event loop for up to 2 s here; this worker does not wait
                 conn.sock.setblocking(False)

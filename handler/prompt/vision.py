@@ -3,7 +3,7 @@ tower -> token ids plus the image embeddings the engine puts at the image tokens
 -> the model's processor -> token ids plus the images themselves, which a backend with its own vision tower (vLLM)
 encodes.
 
-Images are fetched (SSRF rules in ``handler.images.fetch``; a request's URLs at once, within its fetch budget and
+Images are fetched (SSRF rules in ``handler.images.policy``; a request's URLs at once, within its fetch budget and
 the worker's fetch cap, ``handler.images.loader``), decoded (total pixels and the worker's image memory checked
 first) and encoded on the request's own thread, so a slow URL or a large image never holds up the engine's batch;
 the encoded prompt then joins the batch like any other. Every failure names the message and part it came from

@@ -280,7 +280,6 @@ SIZE_EXCEPTIONS = {
                                                               "forward, in one class",
     "handler/engine/vllm/backend.py:VllmBackend": "the asyncio loop thread, intake, slots, the watcher and shutdown "
                                                   "in one class",
-    "handler/images/fetch.py": "the address policy (what may be fetched) and the pinned fetch (how) in one module",
 }
 
 

@@ -1,4 +1,4 @@
-"""handler.images.fetch: SSRF rules, pinning to the checked address, redirects, timeouts and byte caps.
+"""handler.images.fetch and .policy: SSRF rules, pinning to the checked address, redirects, timeouts and byte caps.
 
 Only loopback is ever contacted: a tiny threaded HTTP server on 127.0.0.1 plays the image host, name lookups
 are faked by patching ``socket.getaddrinfo``, and ``socket.socket.connect`` is patched to record every
@@ -24,6 +24,7 @@ from PIL import Image
 from handler.errors import BadRequest
 from handler.images import FetchPolicy, fetch_image_bytes
 from handler.images import fetch as fetch_module
+from handler.images import policy as policy_module
 
 LOOPBACK = FetchPolicy(allowed_hosts=("127.0.0.1",), timeout_s=5.0)
 HUGE_TOTAL = 64 * 1024 * 1024
@@ -366,12 +367,15 @@ def test_hostile_urls_refused_with_loopback_allow_listed(no_connect: list[object
 
 def test_public_address_passes_the_check() -> None:
     """The rule must not refuse everything: a public address gets through to the connection step."""
-    target = fetch_module._check_url("https://93.184.215.14/a%20b.png?x=1 2", FetchPolicy(), "url")
+    def no_lookup(host: str, port: int) -> list[tuple[object, ...]]:
+        raise AssertionError(f"literal address looked up: {host!r}")
+
+    target = policy_module.check_url("https://93.184.215.14/a%20b.png?x=1 2", FetchPolicy(), "url", no_lookup)
     assert target.addresses[0][3] == ("93.184.215.14", 443)
     assert target.path == "/a%20b.png?x=1%202"
-    target = fetch_module._check_url("http://[2606:4700::1111]:8080/", FetchPolicy(), "url")
+    target = policy_module.check_url("http://[2606:4700::1111]:8080/", FetchPolicy(), "url", no_lookup)
     assert target.addresses[0][3] == ("2606:4700::1111", 8080, 0, 0)
-    target = fetch_module._check_url("http://[64:ff9b::808:808]/", FetchPolicy(), "url")  # NAT64 of 8.8.8.8
+    target = policy_module.check_url("http://[64:ff9b::808:808]/", FetchPolicy(), "url", no_lookup)  # NAT64 of 8.8.8.8
     assert target.host == "64:ff9b::808:808"
 
 

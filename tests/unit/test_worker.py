@@ -167,3 +167,45 @@ def test_an_unexpected_error_reading_one_connection_closes_it_and_not_the_event_
     RequestReader(worker, LIMITS).on_readable(conn, ours)
     assert conn.closed and worker.nr_conns == 0
     peer.close()
+
+
+def test_the_reader_knows_which_connection_has_been_quiet_longest() -> None:
+    """The order the worker makes room in at its connection cap: by last activity (start, bytes, error answer), not
+    by when a connection was opened; a closed connection leaves it."""
+    import logging
+    import selectors
+    import socket
+
+    from handler.process.request_reader import DeadlineConn, RequestReader
+
+    class Worker:
+        log = logging.getLogger("test-worker")
+        poller = selectors.DefaultSelector()
+        keepalived_conns: list = []
+        nr_conns = 3
+        read_timeout_s = 5.0
+
+    class Cfg:  # what gunicorn's TConn reads of its config
+        is_ssl = False
+
+    worker = Worker()
+    reader = RequestReader(worker, LIMITS)
+    pairs = [socket.socketpair() for _ in range(3)]
+    conns = [DeadlineConn(Cfg(), ours, ("127.0.0.1", n), ("127.0.0.1", 8080), 5.0) for n, (ours, _) in
+             enumerate(pairs)]
+    for conn in conns:
+        reader.start(conn, b"")
+        worker.poller.register(conn.sock, selectors.EVENT_READ)
+    assert reader.quietest() is conns[0]
+    pairs[0][1].sendall(b"G")        # the oldest sends a byte: now the second is the quietest
+    conns[0].sock.setblocking(False)
+    reader.on_readable(conns[0], conns[0].sock)
+    assert reader.quietest() is conns[1] and conns[0].received == 1
+    reader.drop(conns[1])
+    assert reader.quietest() is conns[2] and worker.nr_conns == 2
+    reader.on_readable(conns[1], conns[1].sock)  # its event came in the same turn as the close: ignored
+    assert worker.nr_conns == 2
+    for conn in (conns[0], conns[2]):
+        reader.drop(conn)
+    for _, peer in pairs:
+        peer.close()
