@@ -37,9 +37,9 @@ from handler.endpoints.invocations import Invocations
 from handler.endpoints.legacy import Legacy
 from handler.endpoints.models import Models
 from handler.endpoints.responses import Responses
+from handler.endpoints.sessions import Sessions
 from handler.endpoints.tokenizer import Tokenizer
 from handler.errors import ErrorShape
-from handler.process.request_reader import MAX_BODY_BYTES
 from handler.protocol.common import new_request_id
 from handler.service import ModelService
 
@@ -58,9 +58,10 @@ class Route(NamedTuple):
 def route_table(door: FrontDoor) -> list[Route]:
     chat, completions, legacy = Chat(door), Completions(door), Legacy(door)
     responses, embeddings, models, tokenizer = Responses(door), Embeddings(door), Models(door), Tokenizer(door)
-    adapters, health = Adapters(door), Health(door)
+    adapters, health, sessions = Adapters(door), Health(door), Sessions(door)
     invocations = Invocations(door, apis={"chat": chat.serve, "legacy": legacy.serve, "completions": completions.serve,
-                                          "embeddings": embeddings.serve, "responses": responses.serve})
+                                          "embeddings": embeddings.serve, "responses": responses.serve,
+                                          "session": sessions.serve})
     if door.service.user_handler is not None:  # a user's model.py answers /invocations, and may call ours
         invocations = UserInvocations(door, builtin=invocations)
     return [
@@ -88,13 +89,13 @@ def route_table(door: FrontDoor) -> list[Route]:
 
 def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False) -> Flask:
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = service.settings.max_request_size
     request_log.configure_logging(service.settings.log_level)
     door = FrontDoor(service, is_draining)
     for route in route_table(door):
         app.add_url_rule(route.rule, endpoint=f"{route.method} {route.rule}", view_func=_with_call(route.answer),
                          methods=[route.method])
-    app.before_request(open_call)
+    app.before_request(lambda: open_call(service.settings.max_request_size))
     app.after_request(lambda response: close_call(response, door))
     app.register_error_handler(Exception, unanswered_error)
     return app
@@ -108,9 +109,10 @@ def _with_call(answer: Callable[..., Response]) -> Callable[..., Response]:
 
 
 # ---- hooks ------------------------------------------------------------------------------------------------------
-def open_call() -> None:
+def open_call(max_body_bytes: int) -> None:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    g.call = Call(request.headers, lambda: read_body(request), request_log.start(new_request_id("req"), route),
+    g.call = Call(request.headers, lambda: read_body(request, max_body_bytes),
+                  request_log.start(new_request_id("req"), route),
                   request.environ.get("gunicorn.socket"))  # the socket is absent under a test client
 
 
