@@ -4,9 +4,10 @@
 The hooks: before a request, its ``Call`` (headers, body reader, request record, the client's connection); after
 it, the response is tagged (``X-Request-Id``: the completion's id once a request reached the engine, a fresh one
 for requests refused before; ``extra-parameters-ignored``: body fields the ``extra-parameters`` policy dropped;
-``X-Request-Timeout`` on an answer the deadline cut), and once it has been sent the request is logged and counted
-(``request_log``). Errors no endpoint answered (no such route, a method a route does not take) are written in the
-shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
+``X-Request-Timeout`` on an answer the deadline cut; under ``option.async_inference`` a stream gathered into one
+body with a ``Content-Length``, which asynchronous endpoints require), and once it has been sent the request is
+logged and counted (``request_log``). Errors no endpoint answered (no such route, a method a route does not take)
+are written in the shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
 
 A new API is one module in ``handler/endpoints/`` and its lines in ``route_table`` (and, when ``/invocations``
 should take its bodies, a name in ``sniff_schema`` and its entry in ``apis``).
@@ -113,11 +114,15 @@ def open_call(max_body_bytes: int) -> None:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
     g.call = Call(request.headers, lambda: read_body(request, max_body_bytes),
                   request_log.start(new_request_id("req"), route),
-                  request.environ.get("gunicorn.socket"))  # the socket is absent under a test client
+                  request.environ.get("gunicorn.socket"),  # the socket is absent under a test client
+                  query=request.args.to_dict())
 
 
 def close_call(response: Response, door: FrontDoor) -> Response:
-    """Tag the response with its id; log and count the request once the response has been sent."""
+    """Tag the response with its id; log and count the request once the response has been sent. Under
+    ``option.async_inference`` a streamed answer is gathered first, so it goes out with a Content-Length."""
+    if response.is_streamed and door.service.settings.async_inference:
+        response.make_sequence()  # the whole stream, its records in order (werkzeug then sets Content-Length)
     call: Call | None = g.get("call")
     record = call.record if call is not None else None
     response.headers["X-Request-Id"] = record.request_id if record is not None else new_request_id("req")

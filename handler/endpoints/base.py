@@ -70,6 +70,7 @@ class Call:
     socket: socket.socket | None = None         # the client's connection, watched while it generates
     watch_keys: list[int] = field(default_factory=list)   # the watcher's keys, let go when the response closes
     parsed_properties: RequestProperties | None = None
+    query: Mapping[str, str] = field(default_factory=dict)  # the query string's arguments (the first of each name)
 
     def json(self) -> dict:
         return parse_json(self.read_body())
