@@ -89,7 +89,7 @@ def run(server: RunningServer, args: argparse.Namespace) -> dict:
                                                              + text_of(args.system_tokens)})
         chat["turns"] = []
     for number in range(args.turns):
-        for name, chat in chats.items():
+        for chat in chats.values():
             compete(url, args.competitors, args.competitor_tokens, number)
             chat["messages"].append({"role": "user", "content": QUESTIONS[number % len(QUESTIONS)]})
             result = turn(url, chat["messages"], chat["id"])

@@ -10,8 +10,9 @@ whenever a session is created.
 What stays per worker: its engine's pins. A request that uses a session carries a ``SessionRef``
 (``GenerationRequest.session``), and the worker's engine pins that conversation's prompt blocks in its prefix cache
 (``engine.runners.prefix_store``) until the session expires or is closed. A CLOSE reaches one worker, which tells its
-own engine at once (``on_end``); every other worker that served the session notices at its next session request (it
-checks the sessions it has pinned: ``reconcile``), and its pins also end by themselves at the expiry time.
+own engine at once (``on_end``); every other worker that served the session notices at a later session request (it
+checks the sessions it has pinned, at most every ``RECONCILE_S``: ``reconcile``), and its pins also end by themselves
+at the expiry time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from handler.errors import BadRequest
 from handler.protocol.sessions import SESSION_ID_HEADER
 
 log = logging.getLogger(__name__)
+
+# How often a worker looks for sessions it served that another worker closed (one file read each): often enough that
+# their pins go soon, seldom enough that a worker holding many sessions does not read them all on every request
+RECONCILE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class SessionStore:
         self.on_end = on_end
         self._clock = clock
         self._held: set[str] = set()      # sessions this worker's engine may hold pins for
+        self._reconciled = -RECONCILE_S
         self._lock = threading.Lock()
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -95,11 +101,14 @@ class SessionStore:
                              code="session_not_found") from None
         log.info("session %s closed", session_id)
         self._ended(session_id)
-        self.reconcile()
 
     def reconcile(self) -> None:
-        """Sessions this worker served that are closed (by another worker) or expired: their pins end here too."""
+        """Sessions this worker served that are closed (by another worker) or expired: their pins end here too
+        (at most every ``RECONCILE_S``)."""
         with self._lock:
+            if self._clock() - self._reconciled < RECONCILE_S:
+                return
+            self._reconciled = self._clock()
             held = list(self._held)
         for session_id in held:
             if self._read(session_id, remove_expired=False) is None:

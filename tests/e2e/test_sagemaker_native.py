@@ -229,3 +229,45 @@ def test_a_sessions_later_turn_keeps_its_prefix_under_competing_traffic(warm_ser
     assert post(url, {"requestType": "CLOSE"}, in_session).status_code == 200
     compete(url, 20)
     assert prefix_hits(url, turns[3] + list(range(3000, 3048))) == 0  # closed: its blocks were let go
+
+
+# ---- priority: a better priority submitted behind a full queue is admitted first (one batch slot) ----------------
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("one-slot")
+    model = build_tiny(tmp / "long", "llama", max_position_embeddings=4096)  # room for a slot holder's long answer
+    running = start_server(tmp, {"OPTION_MODEL_ID": str(model), "OPTION_MAX_MODEL_LEN": "4096",
+                                 "OPTION_MAX_ROLLING_BATCH_SIZE": "1"})
+    yield running
+    stop_server(running)
+
+
+def wait_for(url: str, name: str, value: float) -> None:
+    deadline = time.monotonic() + 30
+    while counter(url, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+def test_a_better_priority_behind_a_full_queue_finishes_first(one_slot) -> None:
+    url, finished = one_slot.url, []
+    # the one batch slot: a stream that runs until this test closes it
+    holder = requests.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 4000, "stream": True},
+                           stream=True, timeout=120)
+    wait_for(url, "llm_running_requests", 1)
+
+    def complete(name: str, headers: dict | None = None, body: dict | None = None) -> None:
+        response = post(url, {**COMPLETION, **(body or {})}, headers, path="/v1/completions")
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    with ThreadPoolExecutor(6) as pool:
+        late = [pool.submit(complete, f"low{i}", {"X-Amzn-SageMaker-Custom-Attributes": "x-priority=5"})
+                for i in range(4)]
+        wait_for(url, "llm_waiting_requests", 4)   # the queue behind the slot holds the four
+        urgent = pool.submit(complete, "urgent", None, {"priority": -1})
+        wait_for(url, "llm_waiting_requests", 5)
+        holder.close()                              # the slot frees: who is admitted next?
+        for future in [*late, urgent]:
+            future.result()
+    assert finished[0] == "urgent", finished

@@ -11,7 +11,7 @@ import pytest
 
 from handler.errors import BadRequest
 from handler.protocol.attributes import CUSTOM_ATTRIBUTES_HEADER, RequestProperties, parse_custom_attributes
-from handler.sessions import SessionStore
+from handler.sessions import RECONCILE_S, SessionStore
 
 
 class Clock:
@@ -86,8 +86,11 @@ def test_the_workers_that_served_a_session_hear_that_it_ended(tmp_path: Path, cl
     two.get(session.session_id)
     one.close(session.session_id)    # the worker that closes tells its engine at once
     assert ended == [("one", session.session_id)]
-    later = two.create()             # the other learns at its next session request
-    two.get(later.session_id)
+    later = two.create()
+    two.get(later.session_id)        # the other looked a moment ago: not yet
+    assert ended == [("one", session.session_id)]
+    clock.now += RECONCILE_S
+    two.get(later.session_id)        # it learns at its next session request after RECONCILE_S
     assert ended == [("one", session.session_id), ("two", session.session_id)]
 
 
