@@ -7,6 +7,12 @@ cheapest work first (fewest tokens left to compute, then the oldest), so a short
 or two behind a long prompt rather than its whole prefill; the oldest piece of work is served first with a quarter
 of the budget, so a stream of short requests cannot starve a long one.
 
+Priorities (``GenerationRequest.priority``, lower first) come before all of that: admission and prefill go to the
+best priority first, and within one priority as above (its oldest first with the quarter, then the cheapest). A
+request that better priorities pass is not starved: every step in which newer work is admitted or prefilled while
+it gets nothing counts, and after ``MAX_PASSED_STEPS`` such steps it ranks with the best, oldest first, so it is
+the next admitted (and gets the quarter). Memory preempts the worst priority first, the newest among equals.
+
 Memory is the KV space's (``runners.kv_space.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a
 request is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has
 no room, the newest running sequences are preempted (their slots freed; they wait at the front and recompute what
@@ -27,6 +33,9 @@ from handler.engine.runners.base import StepPlan, Unbounded
 # A step always leaves at least this many prompt tokens for waiting requests, so a full decode batch cannot
 # starve them.
 _MIN_PREFILL_TOKENS = 32
+# Steps a request may get nothing while newer work is admitted or prefilled (better priorities passing it) before
+# it ranks with the best priority
+MAX_PASSED_STEPS = 16
 
 
 class Scheduler:
@@ -82,10 +91,12 @@ class Scheduler:
         budget = max(self.max_step_tokens - len(self.running), _MIN_PREFILL_TOKENS)
         chunks: dict[Sequence, int] = {}
         work = [s for s in self.running if s.is_prefilling] + list(self.preempted) + list(self.waiting)
-        oldest = min(work, key=_order, default=None)
-        blocked = False
-        # the oldest piece of work first, with a quarter of the budget; then everything cheapest first
-        for item, share in [(oldest, max(budget // 4, 1))] + [(item, budget) for item in sorted(work, key=_cost)]:
+        head = min(work, key=lambda item: (_rank(item), _order(item)), default=None)
+        blocked, served = False, set()
+        # the best priority's oldest piece of work first, with a quarter of the budget; then by priority, cheapest
+        # first
+        ranked = sorted(work, key=lambda item: (_rank(item), _cost(item)))
+        for item, share in [(head, max(budget // 4, 1))] + [(item, budget) for item in ranked]:
             if item is None or budget <= 1:
                 continue
             sequence = item if isinstance(item, Sequence) else (item.sequences[0] if item.sequences else None)
@@ -94,15 +105,18 @@ class Scheduler:
                     continue
                 sequence = self._admit(item)
                 if sequence is None:
-                    blocked = True  # nothing newer is admitted past the oldest work that does not fit
+                    blocked = True  # nothing newer is admitted past the first work that does not fit
                     continue
                 budget -= 1  # its decode row (a placeholder while it prefills)
+                served.add(sequence.request)
             done = sequence.num_cached + chunks.get(sequence, 0)
             length = _aligned(done, self._chunk_length(done, min(sequence.prefill_target - done, share, budget)),
                               sequence.prefill_target, self.chunk_align)
             if length > 0:
                 chunks[sequence] = chunks.get(sequence, 0) + length
                 budget -= self._chunk_cost(done, length)
+                served.add(sequence.request)
+        _count_passed(work, served)
         prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
         return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
 
@@ -124,7 +138,7 @@ class Scheduler:
             if sequence.is_prefilling or sequence not in self.running:
                 continue
             while not self.space.grow(sequence, sequence.num_cached + 1):
-                victim = max(_movable(self.running, sequence), key=_order)
+                victim = max(_movable(self.running, sequence), key=_yield_order)
                 self.preempt(victim)
                 if victim is sequence:
                     break
@@ -172,7 +186,7 @@ class Scheduler:
                 self.preempted.append(child)
                 self.preempted.sort(key=_order)
                 return False
-            self.preempt(max(victims, key=_order))
+            self.preempt(max(victims, key=_yield_order))
         self.running.append(child)
         return True
 
@@ -239,6 +253,29 @@ def _movable(running: list[Sequence], needing: Sequence) -> list[Sequence]:
 
 def _order(item: RequestState | Sequence) -> tuple[int, int]:
     return item.order if isinstance(item, Sequence) else (item.order, 0)
+
+
+def _state(item: RequestState | Sequence) -> RequestState:
+    return item.request if isinstance(item, Sequence) else item
+
+
+def _rank(item: RequestState | Sequence) -> tuple[int, int]:
+    """Who goes first: a request passed ``MAX_PASSED_STEPS`` times ranks with the best; else by priority."""
+    state = _state(item)
+    return (0, 0) if state.passed >= MAX_PASSED_STEPS else (1, state.priority)
+
+
+def _yield_order(sequence: Sequence) -> tuple[int, tuple[int, int]]:
+    """Which running sequence gives way to memory first: the worst priority, then the newest."""
+    return sequence.request.priority, _order(sequence)
+
+
+def _count_passed(work: list[RequestState | Sequence], served: set[RequestState]) -> None:
+    """A step in which newer work was admitted or prefilled counts against each older request it left with nothing."""
+    newest = max((state.order for state in served), default=-1)
+    for state in {_state(item) for item in work} - served:
+        if state.order < newest:
+            state.passed += 1
 
 
 def _cost(item: RequestState | Sequence) -> tuple[int, tuple[int, int]]:
