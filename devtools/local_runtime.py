@@ -38,6 +38,14 @@ Adapters (inference components): ``InferenceComponentName`` naming one of ``--ad
 container as ``X-Amzn-SageMaker-Adapter-Identifier`` (SageMaker routes an adapter component's invocations to its
 base component's container with the adapter named in that header); any other component name stays routing-only.
 
+Stateful sessions: ``SessionId`` reaches the container as ``X-Amzn-SageMaker-Session-Id`` (``NEW_SESSION`` too, as
+boto3 sends it), and the container's ``X-Amzn-SageMaker-New-Session-Id`` / ``-Closed-Session-Id`` come back as
+``NewSessionId`` / ``ClosedSessionId``. As the service does, a ``SessionId`` that is not ``NEW_SESSION`` or an id of
+the API's pattern (letters, digits and inner hyphens, at most 256 characters) is a 400 ``ValidationError``, and so
+is ``NEW_SESSION`` on ``InvokeEndpointWithResponseStream`` (a session is opened with ``InvokeEndpoint`` only); a
+NEW_SESSION answer without a ``NewSessionId`` of the API's form (``<id>; Expires=<ISO-8601>``) is logged as a
+warning, since SageMaker would have no session to route to. One container: the routing itself is not emulated.
+
 Not emulated: SigV4 checking (any credentials pass), endpoint names (any name is accepted; the invoked
 variant is ``AllTraffic`` unless ``TargetVariant`` is given), the 6 MB payload limit, multi-model routing.
 ``GET /ping`` is an extra, not a SageMaker operation: it reports whether the container's ``/ping`` is 200.
@@ -69,6 +77,8 @@ _ROUTE = re.compile(r"^/endpoints/(?P<name>[^/]+)/(?P<op>invocations|invocations
 _MAX_MESSAGE_CHARS = 2048  # the service model's ``Message`` shape has max 2048
 _READ_SIZE = 64 * 1024
 _CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+_SESSION_ID = "X-Amzn-SageMaker-Session-Id"
+_NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
 
 # (header the client sends, header the container receives). Routing-only headers (Target-Variant,
 # Target-Container-Hostname, Inference-Component, Enable-Explanations, Prefix-Aware-Id) stay here.
@@ -78,19 +88,23 @@ _INVOKE_REQUEST_HEADERS = (
     (_CUSTOM_ATTRIBUTES, _CUSTOM_ATTRIBUTES),
     ("X-Amzn-SageMaker-Target-Model", "X-Amzn-SageMaker-Target-Model"),
     ("X-Amzn-SageMaker-Inference-Id", "X-Amzn-SageMaker-Inference-Id"),
-    ("X-Amzn-SageMaker-Session-Id", "X-Amzn-SageMaker-Session-Id"),
+    (_SESSION_ID, _SESSION_ID),
 )
 _STREAM_REQUEST_HEADERS = (
     ("Content-Type", "Content-Type"),
     ("X-Amzn-SageMaker-Accept", "Accept"),
     (_CUSTOM_ATTRIBUTES, _CUSTOM_ATTRIBUTES),
     ("X-Amzn-SageMaker-Inference-Id", "X-Amzn-SageMaker-Inference-Id"),
-    ("X-Amzn-SageMaker-Session-Id", "X-Amzn-SageMaker-Session-Id"),
+    (_SESSION_ID, _SESSION_ID),
 )
+# The API's patterns (SessionIdOrNewSessionConstantHeader, NewSessionResponseHeader; at most 256 characters each)
+_SESSION_ID_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
+_NEW_SESSION_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*;\sExpires=\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
+_MAX_SESSION_CHARS = 256
 # Container response headers that the operation's output shape carries back.
 _PASSTHROUGH_RESPONSE_HEADERS = (
     _CUSTOM_ATTRIBUTES,
-    "X-Amzn-SageMaker-New-Session-Id",
+    _NEW_SESSION_ID,
     "X-Amzn-SageMaker-Closed-Session-Id",
 )
 
@@ -172,6 +186,32 @@ def forward_headers(incoming: http.client.HTTPMessage, mapping: tuple[tuple[str,
         out["X-Amzn-SageMaker-Adapter-Identifier"] = component
     out["Accept-Encoding"] = "identity"
     return out
+
+
+def check_session_id(value: str | None, streaming: bool) -> None:
+    """The service's checks of ``SessionId`` (module doc): a ValidationError for a malformed one."""
+    if value is None:
+        return
+    if value == "NEW_SESSION":
+        if streaming:
+            raise simple_error(400, "ValidationError", "A stateful session cannot be created with "
+                               "InvokeEndpointWithResponseStream; use InvokeEndpoint with SessionId NEW_SESSION")
+        return
+    if len(value) > _MAX_SESSION_CHARS or not _SESSION_ID_PATTERN.match(value):
+        raise simple_error(400, "ValidationError", f"1 validation error detected: Value '{value[:300]}' at "
+                           "'sessionId' failed to satisfy constraint: Member must satisfy regular expression "
+                           "pattern: ^(NEW_SESSION)$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$ and have length <= 256")
+
+
+def check_new_session(requested: str | None, response: requests.Response) -> None:
+    """A NEW_SESSION the container answered without a NewSessionId of the API's form: SageMaker could not route to
+    it (logged; the answer still goes back)."""
+    if requested != "NEW_SESSION" or not 200 <= response.status_code < 300:
+        return
+    created = response.headers.get(_NEW_SESSION_ID)
+    if created is None or len(created) > _MAX_SESSION_CHARS or not _NEW_SESSION_PATTERN.match(created):
+        LOG.warning("the container answered NEW_SESSION without a valid %s header (got %r): SageMaker expects "
+                    "'<id>; Expires=YYYY-MM-DDTHH:MM:SSZ'", _NEW_SESSION_ID, created)
 
 
 def _post(url: str, **kwargs: object) -> requests.Response:
@@ -332,9 +372,11 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
     def _invoke(self, endpoint: str, body: bytes) -> None:
         """``InvokeEndpoint``: forward, then answer 200 with the container's body."""
         config = self.server.config
+        check_session_id(self.headers.get(_SESSION_ID), streaming=False)
         headers = forward_headers(self.headers, _INVOKE_REQUEST_HEADERS, config.adapter_components)
         response = call_container(config, endpoint, body, headers)
         check_container_status(config, endpoint, response)
+        check_new_session(self.headers.get(_SESSION_ID), response)
         with response:
             try:
                 content = response.content
@@ -348,6 +390,7 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
     def _invoke_stream(self, endpoint: str, body: bytes) -> None:
         """``InvokeEndpointWithResponseStream``: forward, then relay the body as PayloadPart events."""
         config = self.server.config
+        check_session_id(self.headers.get(_SESSION_ID), streaming=True)
         headers = forward_headers(self.headers, _STREAM_REQUEST_HEADERS, config.adapter_components)
         response = call_container(config, endpoint, body, headers)
         check_container_status(config, endpoint, response)

@@ -41,7 +41,7 @@ def gunicorn_options(settings: Settings) -> dict:
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.workers,
         # gthread, reading each request on its event loop under option.request_read_timeout (process/request_reader.py)
-        "worker_class": DeadlineWorker.configure(settings.request_read_timeout),
+        "worker_class": DeadlineWorker.configure(settings.request_read_timeout, settings.max_request_size),
         "worker_connections": settings.max_connections,
         "threads": settings.threads,
         "timeout": settings.worker_timeout,
@@ -81,6 +81,18 @@ def prepare_adapter_registry(settings: Settings) -> tuple[Settings, Path | None]
         return settings, None
     path = Path(tempfile.mkdtemp(prefix="llm-adapters-"))
     return settings.model_copy(update={"adapter_registry_dir": str(path)}), path
+
+
+def prepare_sessions_dir(settings: Settings) -> tuple[Settings, Path | None]:
+    """With stateful sessions on: the folder the workers share them in (made now, before the fork, unless
+    option.sessions_path names one: in /dev/shm when it is writable, as the standards package does); returns the
+    folder when it made a temporary one."""
+    if not settings.enable_stateful_sessions or settings.sessions_path:
+        return settings, None
+    shm = Path("/dev/shm")
+    parent = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="sagemaker-sessions-", dir=parent))
+    return settings.model_copy(update={"sessions_path": str(path)}), path
 
 
 def worker_exited(server, worker) -> None:
@@ -191,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     made_dir, master_pid = prepare_metrics_dir(os.environ), os.getpid()  # before gunicorn forks any worker
     settings, registry_dir = prepare_adapter_registry(settings)
+    settings, sessions_dir = prepare_sessions_dir(settings)
     try:
         run_server(settings, gunicorn_options(settings))
     finally:  # a worker's SystemExit comes through here too: only the master removes the folders
-        for made in (made_dir, registry_dir):
+        for made in (made_dir, registry_dir, sessions_dir):
             if made is not None and os.getpid() == master_pid:
                 shutil.rmtree(made, ignore_errors=True)
     return 0

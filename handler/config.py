@@ -43,6 +43,11 @@ ENV_NAMES = {
     "SAGEMAKER_MODEL_SERVER_WORKERS": "workers",
     "SAGEMAKER_MODEL_SERVER_THREADS": "threads",
     "SM_NUM_GPUS": "tensor_parallel_degree",
+    "SAGEMAKER_MAX_REQUEST_SIZE": "max_request_size",   # LMI's and the SageMaker toolkits' name, in bytes
+    # stateful sessions (model-hosting-container-standards' names; LMI's are OPTION_ENABLE_STATEFUL_SESSIONS, ...)
+    "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "enable_stateful_sessions",
+    "SAGEMAKER_SESSIONS_EXPIRATION": "sessions_expiration",
+    "SAGEMAKER_SESSIONS_PATH": "sessions_path",
     # DJL Serving's name for option.entryPoint
     "DJL_ENTRY_POINT": "entryPoint",
     # ours, for the process
@@ -156,7 +161,22 @@ class Settings(BaseModel):
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.
     max_queue_size: int = Field(64, ge=1)
-    request_timeout: float = Field(60.0, gt=0)              # seconds from arrival to the last token, all included
+    # seconds from arrival to the last token, all included; at most SageMaker's longest invocation (an asynchronous
+    # endpoint's InvocationTimeoutSeconds, up to 3,600)
+    request_timeout: float = Field(60.0, gt=0, le=3600)
+    # The largest request body, in bytes (SAGEMAKER_MAX_REQUEST_SIZE): SageMaker's invoke_endpoint takes 6 MiB; an
+    # asynchronous endpoint hands the container its S3 input, up to 1 GB (the read budget and the app both use it)
+    max_request_size: int = Field(6 * 1024 * 1024, ge=1024, le=1 << 30)
+    # Asynchronous inference endpoints refuse chunked answers: every answer carries a Content-Length, a stream's
+    # records gathered first (SageMaker tells the container nothing of it: set this where AsyncInferenceConfig is)
+    async_inference: bool = False
+    # Stateful sessions (SageMaker's sticky routing, handler/sessions.py): NEW_SESSION / CLOSE bodies on
+    # /invocations and the X-Amzn-SageMaker-Session-Id header; a session lives this many seconds from its creation,
+    # and its prompt blocks stay in the prefix cache meanwhile. The folder the workers share them in; unset: one the
+    # server makes at start (in /dev/shm when it can)
+    enable_stateful_sessions: bool = False
+    sessions_expiration: int = Field(1200, ge=1)
+    sessions_path: str | None = None
     log_level: str = "info"                                 # also SAGEMAKER_CONTAINER_LOG_LEVEL (10..50 or a name)
     log_prompts: bool = False                               # put the prompt in each request's log line
     entryPoint: str | None = None                           # noqa: N815 (LMI's name) a djl-style handler module

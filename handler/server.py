@@ -4,9 +4,10 @@
 The hooks: before a request, its ``Call`` (headers, body reader, request record, the client's connection); after
 it, the response is tagged (``X-Request-Id``: the completion's id once a request reached the engine, a fresh one
 for requests refused before; ``extra-parameters-ignored``: body fields the ``extra-parameters`` policy dropped;
-``X-Request-Timeout`` on an answer the deadline cut), and once it has been sent the request is logged and counted
-(``request_log``). Errors no endpoint answered (no such route, a method a route does not take) are written in the
-shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
+``X-Request-Timeout`` on an answer the deadline cut; under ``option.async_inference`` a stream gathered into one
+body with a ``Content-Length``, which asynchronous endpoints require), and once it has been sent the request is
+logged and counted (``request_log``). Errors no endpoint answered (no such route, a method a route does not take)
+are written in the shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
 
 A new API is one module in ``handler/endpoints/`` and its lines in ``route_table`` (and, when ``/invocations``
 should take its bodies, a name in ``sniff_schema`` and its entry in ``apis``).
@@ -37,9 +38,9 @@ from handler.endpoints.invocations import Invocations
 from handler.endpoints.legacy import Legacy
 from handler.endpoints.models import Models
 from handler.endpoints.responses import Responses
+from handler.endpoints.sessions import Sessions
 from handler.endpoints.tokenizer import Tokenizer
 from handler.errors import ErrorShape
-from handler.process.request_reader import MAX_BODY_BYTES
 from handler.protocol.common import new_request_id
 from handler.service import ModelService
 
@@ -58,9 +59,10 @@ class Route(NamedTuple):
 def route_table(door: FrontDoor) -> list[Route]:
     chat, completions, legacy = Chat(door), Completions(door), Legacy(door)
     responses, embeddings, models, tokenizer = Responses(door), Embeddings(door), Models(door), Tokenizer(door)
-    adapters, health = Adapters(door), Health(door)
+    adapters, health, sessions = Adapters(door), Health(door), Sessions(door)
     invocations = Invocations(door, apis={"chat": chat.serve, "legacy": legacy.serve, "completions": completions.serve,
-                                          "embeddings": embeddings.serve, "responses": responses.serve})
+                                          "embeddings": embeddings.serve, "responses": responses.serve,
+                                          "session": sessions.serve})
     if door.service.user_handler is not None:  # a user's model.py answers /invocations, and may call ours
         invocations = UserInvocations(door, builtin=invocations)
     return [
@@ -88,13 +90,13 @@ def route_table(door: FrontDoor) -> list[Route]:
 
 def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False) -> Flask:
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = service.settings.max_request_size
     request_log.configure_logging(service.settings.log_level)
     door = FrontDoor(service, is_draining)
     for route in route_table(door):
         app.add_url_rule(route.rule, endpoint=f"{route.method} {route.rule}", view_func=_with_call(route.answer),
                          methods=[route.method])
-    app.before_request(open_call)
+    app.before_request(lambda: open_call(service.settings.max_request_size))
     app.after_request(lambda response: close_call(response, door))
     app.register_error_handler(Exception, unanswered_error)
     return app
@@ -108,14 +110,19 @@ def _with_call(answer: Callable[..., Response]) -> Callable[..., Response]:
 
 
 # ---- hooks ------------------------------------------------------------------------------------------------------
-def open_call() -> None:
+def open_call(max_body_bytes: int) -> None:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    g.call = Call(request.headers, lambda: read_body(request), request_log.start(new_request_id("req"), route),
-                  request.environ.get("gunicorn.socket"))  # the socket is absent under a test client
+    g.call = Call(request.headers, lambda: read_body(request, max_body_bytes),
+                  request_log.start(new_request_id("req"), route),
+                  request.environ.get("gunicorn.socket"),  # the socket is absent under a test client
+                  query=request.args.to_dict())
 
 
 def close_call(response: Response, door: FrontDoor) -> Response:
-    """Tag the response with its id; log and count the request once the response has been sent."""
+    """Tag the response with its id; log and count the request once the response has been sent. Under
+    ``option.async_inference`` a streamed answer is gathered first, so it goes out with a Content-Length."""
+    if response.is_streamed and door.service.settings.async_inference:
+        response.make_sequence()  # the whole stream, its records in order (werkzeug then sets Content-Length)
     call: Call | None = g.get("call")
     record = call.record if call is not None else None
     response.headers["X-Request-Id"] = record.request_id if record is not None else new_request_id("req")

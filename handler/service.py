@@ -1,9 +1,9 @@
 """Wires settings to a running backend: resolves device, dtype, limits and request defaults, picks the backend,
 loads the model in the background, and owns what the prompt layer renders with (renderer, vision encoder), the
-LoRA adapters shared by the workers, and a user's handler when the model folder brings one.
+LoRA adapters and the stateful sessions shared by the workers, and a user's handler when the model folder brings one.
 
 May import: ``handler.config``, ``handler.errors``, ``metrics``, the engine's interface (``backend``, ``loader``,
-``types``), the prompt layer, ``process.preflight``, ``adapter_registry`` and ``djl.loading``.
+``types``), the prompt layer, ``process.preflight``, ``adapter_registry``, ``sessions`` and ``djl.loading``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from handler.errors import ConfigError, NotFound
 from handler.process.preflight import context_length
 from handler.prompt.renderer import PromptRenderer
 from handler.prompt.vision import VisionRenderer, image_loader
+from handler.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,16 @@ def request_defaults(settings: Settings) -> RequestDefaults:
     return RequestDefaults(temperature, settings.default_max_new_tokens)
 
 
+def session_store(settings: Settings, on_end: Callable[[str], None]) -> SessionStore | None:
+    """The stateful sessions (option.enable_stateful_sessions), in the folder the workers share (the master makes
+    one before forking when option.sessions_path names none; a server made without the master gets its own)."""
+    if not settings.enable_stateful_sessions:
+        return None
+    named = settings.sessions_path
+    folder = Path(named) if named else Path(tempfile.mkdtemp(prefix="sagemaker-sessions-"))
+    return SessionStore(folder, settings.sessions_expiration, on_end)
+
+
 class HandlerOnly:
     """The backend when a user's ``model.py`` runs its own model and does not ask for ours: nothing loads, and the
     built-in routes are refused with the reason (``server`` does not register them; ``submit`` says it too)."""
@@ -84,6 +95,9 @@ class HandlerOnly:
 
     def submit(self, request):
         raise NotFound(self.reason)
+
+    def end_session(self, session_id: str) -> None:
+        return None
 
     def embed(self, request):
         raise NotFound(self.reason)
@@ -126,6 +140,7 @@ class ModelService:
         self.defaults = request_defaults(settings)
         self._shared_adapters: SharedAdapters | None = None
         self._adapters_lock = threading.Lock()
+        self.sessions = session_store(settings, self.engine.end_session)
 
     def start(self) -> None:
         threads.on_restart(metrics.record_thread_restart)

@@ -67,7 +67,8 @@ class UserInvocations(Endpoint):
         answering = _answering.get()
         record = answering.record if answering is not None else request_log.start(new_request_id("req"),
                                                                                    "/invocations")
-        response = self.builtin.post(Call(Headers(inputs.headers), lambda: bounded(raw), record))
+        limit = self.service.settings.max_request_size
+        response = self.builtin.post(Call(Headers(inputs.headers), lambda: bounded(raw, limit), record))
         output = Output(code=response.status_code)
         for key, value in response.headers.items():
             if key.lower() != "content-length":

@@ -10,7 +10,7 @@ ends with one error record in that shape instead). A generation route is four mo
 (a formatter with its context, answered by ``json_response`` or ``stream_response``).
 
 May import: the layers below the endpoints (errors, the engine's interface, metrics, process, parsing, prompt,
-protocol, formatting, service, request_log, adapter_registry). Every endpoint module imports this module and
+protocol, formatting, service, request_log, adapter_registry, sessions). Every endpoint module imports this module and
 ``body``, and never another endpoint.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from time import monotonic  # a request's arrival, which its deadline counts from; ``time.time`` dates answers
 from typing import ClassVar
 
-from flask import Response
+from flask import Response, current_app
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 from werkzeug.exceptions import NotFound as NoRoute
 
@@ -48,16 +48,12 @@ from handler.formatting.framing import FRAMINGS, SSE_MIMETYPE, dumps
 from handler.process.disconnect import DisconnectWatcher
 from handler.prompt.renderer import PromptRenderer
 from handler.protocol.adapters import ADAPTER_HEADERS
-from handler.protocol.common import (
-    CUSTOM_ATTRIBUTES_HEADER,
-    EXTRA_PARAMETERS_HEADER,
-    ExtraParameters,
-    Extras,
-    Model,
-    parse_request,
-)
+from handler.protocol.attributes import CUSTOM_ATTRIBUTES_HEADER, RequestProperties, parse_custom_attributes
+from handler.protocol.common import EXTRA_PARAMETERS_HEADER, ExtraParameters, Extras, Model, parse_request
+from handler.protocol.sessions import SESSION_ID_HEADER, SESSIONS_DISABLED
 from handler.request_log import ObservedHandle, RequestRecord
 from handler.service import ModelService
+from handler.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +69,18 @@ class Call:
     record: RequestRecord
     socket: socket.socket | None = None         # the client's connection, watched while it generates
     watch_keys: list[int] = field(default_factory=list)   # the watcher's keys, let go when the response closes
+    parsed_properties: RequestProperties | None = None
+    query: Mapping[str, str] = field(default_factory=dict)  # the query string's arguments (the first of each name)
 
     def json(self) -> dict:
         return parse_json(self.read_body())
+
+    @property
+    def properties(self) -> RequestProperties:
+        """What the custom attributes say, read once (400 naming the header when it is malformed)."""
+        if self.parsed_properties is None:
+            self.parsed_properties = parse_custom_attributes(self.headers.get(CUSTOM_ATTRIBUTES_HEADER))
+        return self.parsed_properties
 
 
 class FrontDoor:
@@ -108,8 +113,7 @@ class Endpoint:
     def parse(self, call: Call, model: type[Model], body: dict) -> tuple[Model, Extras]:
         """Validate the body under the request's ``extra-parameters`` policy; the record keeps what it dropped."""
         policy = ExtraParameters.for_request(call.headers.get(EXTRA_PARAMETERS_HEADER),
-                                             call.headers.get(CUSTOM_ATTRIBUTES_HEADER),
-                                             self.service.settings.extra_parameters)
+                                             call.properties.extra_parameters, self.service.settings.extra_parameters)
         parsed, extras = parse_request(model, body, policy)
         call.record.ignored_fields = tuple(extras.ignored)
         return parsed, extras
@@ -152,9 +156,26 @@ class Endpoint:
         store = self.service.adapters
         return set() if store is None else {info.name for info in store.list()}
 
+    def sessions(self, param: str) -> SessionStore:
+        """The stateful sessions; a 400 naming ``param`` while they are off."""
+        store = self.service.sessions
+        if store is None:
+            raise BadRequest(f"{SESSIONS_DISABLED}: start the server with SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true "
+                             "(option.enable_stateful_sessions)", param=param, code="sessions_disabled")
+        return store
+
+    def with_call(self, call: Call, generation: GenerationRequest) -> GenerationRequest:
+        """What the request's headers add: its priority (the body's own, else ``x-priority`` in the custom
+        attributes, else 0) and its stateful session (400 when sessions are off or the id is not a live one)."""
+        priority = generation.priority if generation.priority is not None else call.properties.priority or 0
+        session_id = call.headers.get(SESSION_ID_HEADER)
+        session = self.sessions(SESSION_ID_HEADER).get(session_id).ref() if session_id else None
+        return dataclasses.replace(generation, priority=priority, session=session)
+
     def submit(self, call: Call, generation: GenerationRequest) -> ObservedHandle:
         """Queue one request with the engine (429 past the wait queue's bound), watched: a client that closes its
-        connection cancels it."""
+        connection cancels it. The request's headers add its priority and session first (``with_call``)."""
+        generation = self.with_call(call, generation)
         store = self.service.adapters if generation.adapter is not None else None
         if store is not None:
             store.sync()  # registered or removed by another worker since: the engine resolves from this worker's
@@ -237,7 +258,7 @@ def serving_error_of(error: Exception, method: str = "", path: str = "") -> Serv
     if isinstance(error, ServingError):
         return error
     if isinstance(error, RequestEntityTooLarge):
-        return too_large()
+        return too_large(current_app.config.get("MAX_CONTENT_LENGTH"))
     if isinstance(error, NoRoute):
         return NotFound(f"{method} {path}: no such route", code="not_found")
     if isinstance(error, HTTPException):

@@ -1,12 +1,12 @@
 """A request's body, read under the server's limits and decoded as the JSON object every API takes.
 
-``read_body`` reads what gunicorn's ``wsgi.input`` holds (Content-Length or chunked), up to ``MAX_BODY_BYTES``
-(SageMaker's limit: 413 past it), under the worker's read deadline (408); broken chunked framing is a 400.
+``read_body`` reads what gunicorn's ``wsgi.input`` holds (Content-Length or chunked), up to the server's limit
+(``option.max_request_size``, ``SAGEMAKER_MAX_REQUEST_SIZE``; SageMaker's 6 MiB by default: 413 past it), under the
+worker's read deadline (408); broken chunked framing is a 400.
 ``parse_json`` refuses what JSON parsers would let through but no API can take: NaN and Infinity, lone UTF-16
 surrogates, nesting too deep for Python, and anything but an object.
 
-May import: ``handler.errors``, ``handler.process.request_reader`` (the limit), ``handler.formatting.framing`` (its JSON
-encoder), gunicorn's and werkzeug's errors.
+May import: ``handler.errors``, ``handler.formatting.framing`` (its JSON encoder), gunicorn's and werkzeug's errors.
 """
 
 from __future__ import annotations
@@ -18,32 +18,32 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from handler.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from handler.formatting.framing import dumps
-from handler.process.request_reader import MAX_BODY_BYTES
 
 
-def too_large() -> PayloadTooLarge:
-    return PayloadTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes")
+def too_large(limit: int | None) -> PayloadTooLarge:
+    over = f"{limit} bytes" if limit else "the server's limit"
+    return PayloadTooLarge(f"the request body is over {over} (option.max_request_size, SAGEMAKER_MAX_REQUEST_SIZE)")
 
 
-def read_body(request) -> bytes:
-    """The body of a werkzeug ``request``, up to ``MAX_BODY_BYTES`` (413 past it, chunked or not); 400 for broken
+def read_body(request, limit: int) -> bytes:
+    """The body of a werkzeug ``request``, up to ``limit`` bytes (413 past it, chunked or not); 400 for broken
     chunked framing, 408 when it does not arrive within ``option.request_read_timeout``."""
-    if request.content_length and request.content_length > MAX_BODY_BYTES:
-        raise too_large()
+    if request.content_length and request.content_length > limit:
+        raise too_large(limit)
     # gunicorn's wsgi.input ends where the body ends (Content-Length or chunked); werkzeug's wrapper would stop
     # silently at MAX_CONTENT_LENGTH. Read one byte past the limit, never more: a longer body is a 413.
     environ = request.environ
     stream = environ["wsgi.input"] if environ.get("wsgi.input_terminated") else request.stream
     parts, size = [], 0
     try:
-        while size <= MAX_BODY_BYTES:
-            part = stream.read(MAX_BODY_BYTES + 1 - size)
+        while size <= limit:
+            part = stream.read(limit + 1 - size)
             if not part:
                 break
             parts.append(part)
             size += len(part)
     except RequestEntityTooLarge:  # werkzeug's own limit, on a body without a length outside gunicorn
-        raise too_large() from None
+        raise too_large(limit) from None
     except TimeoutError as error:  # the worker's deadline for the whole request (option.request_read_timeout)
         message = str(error) or "the request body did not arrive in time"
         raise RequestTimeout(message, code="request_timeout") from None
@@ -52,15 +52,15 @@ def read_body(request) -> bytes:
                          code="bad_request") from None
     except OSError:  # the client closed the connection before the body ended
         raise BadRequest("the request body ended before it was complete") from None
-    if size > MAX_BODY_BYTES:
-        raise too_large()
+    if size > limit:
+        raise too_large(limit)
     return b"".join(parts)
 
 
-def bounded(raw: bytes) -> bytes:
+def bounded(raw: bytes, limit: int) -> bytes:
     """A body handed over whole (a user's handler passing its input to ``builtin_handle``), under the same limit."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise too_large()
+    if len(raw) > limit:
+        raise too_large(limit)
     return raw
 
 

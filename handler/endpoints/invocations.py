@@ -1,9 +1,11 @@
 """SageMaker's ``POST /invocations``: the body says which API it is, and that API's endpoint answers it.
 
-``messages`` means chat completions (it wins when ``inputs`` is there too), else ``inputs`` means the legacy
-schema, else ``prompt`` means completions, else ``input`` means a Responses request or embeddings
-(``is_responses_body`` says which), else 400 naming the fields. A stream is framed as server-sent events when the
-client accepts ``text/event-stream``, else as ``option.output_formatter`` says (JSON lines by default).
+``requestType`` means a stateful session's NEW_SESSION or CLOSE (the standards package's rule: whatever else the
+body holds, which is then refused), else ``messages`` means chat completions (it wins when ``inputs`` is there too),
+else ``inputs`` means the legacy schema, else ``prompt`` means completions, else ``input`` means a Responses request
+or embeddings (``is_responses_body`` says which), else 400 naming the fields. A stream is framed as server-sent
+events when the client accepts ``text/event-stream``, else as ``option.output_formatter`` says (JSON lines by
+default).
 
 The endpoints themselves come from ``server``'s route table (``apis``: schema -> the endpoint's ``serve``): this
 module names the schemas, and imports no endpoint.
@@ -46,6 +48,8 @@ _RESPONSES_ONLY = frozenset(ResponsesRequest.model_fields) - frozenset(Embedding
 
 
 def sniff_schema(body: dict, embeds_only: bool = False) -> str:
+    if "requestType" in body:
+        return "session"
     if "messages" in body:
         return "chat"
     if "inputs" in body:

@@ -122,6 +122,10 @@ class EngineBackend(Protocol):
         """Queue a request; raises a ``ServingError`` (naming the field) for one that cannot be served."""
         ...
 
+    def end_session(self, session_id: str) -> None:
+        """A stateful session (``GenerationRequest.session``) was closed: what the backend keeps for it goes."""
+        ...
+
     @property
     def embeds_only(self) -> bool:
         """The model serves embeddings only (an encoder): generation is refused."""

@@ -192,6 +192,19 @@ class GenerationRequest:
     # time.monotonic() when the request arrived (before its prompt was rendered: image fetches included); its
     # deadline counts from here. None: from submit
     arrived_at: float | None = None
+    # the order of admission and prefill among waiting work: lower first (vLLM's meaning); None: not asked, 0
+    priority: int | None = None
+    session: SessionRef | None = None   # a stateful session whose prompt blocks the prefix cache keeps
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A stateful session a request belongs to: the engine keeps the KV of its prompts' whole blocks (pinned in the
+    prefix cache) until the session ends (``EngineBackend.end_session``) or ``expires_at`` (``time.monotonic()``)
+    passes, within the KV budget."""
+
+    session_id: str
+    expires_at: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """How a worker reads requests on its event loop, without a thread, before a pool thread runs them (``worker``).
 
-The request line, the headers and a body of up to ``MAX_BODY_BYTES`` (``Content-Length`` or chunked) are gathered
-with non-blocking reads into a buffer (``RequestScanner``: h11 tells where each request ends), under one deadline
-per request (``option.request_read_timeout``), and only a complete request goes on (``RequestReader``): its bytes
-are handed to gunicorn's own parser (``DeadlineConn``), which then never waits on the socket, and what it still
-reads is bounded by the same deadline (``DeadlineUnreader``). Its error answers are ``answers``'.
+The request line, the headers and a body of up to ``ScanLimits.body`` bytes (the server's
+``option.max_request_size``; ``Content-Length`` or chunked) are gathered with non-blocking reads into a buffer
+(``RequestScanner``: h11 tells where each request ends), under one deadline per request
+(``option.request_read_timeout``), and only a complete request goes on (``RequestReader``): its bytes are handed to
+gunicorn's own parser (``DeadlineConn``), which then never waits on the socket, and what it still reads is bounded
+by the same deadline (``DeadlineUnreader``). Its error answers are ``answers``'.
 
 May import: ``handler.errors``, gunicorn and h11 (it runs before any route: nothing of the app).
 """
@@ -22,7 +23,9 @@ from gunicorn.workers import gthread
 
 from handler.process.answers import ReadTimeout, error_response
 
-MAX_BODY_BYTES = 6 * 1024 * 1024  # SageMaker's invoke_endpoint limit; the app answers a longer body with a 413
+# SageMaker's invoke_endpoint limit, the body a worker reads unless configured otherwise (``DeadlineWorker.configure``
+# passes option.max_request_size); the app answers a longer body with a 413
+DEFAULT_BODY_BYTES = 6 * 1024 * 1024
 # Pool threads for GET /ping alone: it never waits on the model, so two keep it answered whatever else is running.
 PING_THREADS = 2
 # The request line and headers together; nginx, ALB and Node stop between 8 and 64 KiB.
@@ -55,7 +58,7 @@ class Refusal:
 class ScanLimits:
     line: int = 4094                    # gunicorn's limit_request_line
     head: int = MAX_HEAD_BYTES
-    body: int = MAX_BODY_BYTES          # a larger body is refused by the app (413) after it reads one byte more
+    body: int = DEFAULT_BODY_BYTES      # a larger body is refused by the app (413) after it reads one byte more
 
 
 class RequestScanner:

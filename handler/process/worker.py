@@ -51,8 +51,8 @@ from gunicorn.workers import gthread
 
 from handler.process.answers import ReadTimeout, describe, error_response
 from handler.process.request_reader import (
+    DEFAULT_BODY_BYTES,
     FD_RESERVE,
-    MAX_BODY_BYTES,
     MAX_REQUEST_LINE,
     PING_THREADS,
     DeadlineConn,
@@ -64,11 +64,13 @@ from handler.process.request_reader import (
 
 class DeadlineWorker(gthread.ThreadWorker):
     read_timeout_s = 15.0
+    max_body_bytes = DEFAULT_BODY_BYTES
 
     @classmethod
-    def configure(cls, read_timeout_s: float) -> type[DeadlineWorker]:
-        """This worker class with the server's read timeout (gunicorn's own settings come through its config)."""
-        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s})
+    def configure(cls, read_timeout_s: float, max_body_bytes: int = DEFAULT_BODY_BYTES) -> type[DeadlineWorker]:
+        """This worker class with the server's read timeout and body limit (gunicorn's own settings come through its
+        config)."""
+        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s, "max_body_bytes": max_body_bytes})
 
     def __init__(self, *args, **kwargs) -> None:  # in the master, before the fork
         super().__init__(*args, **kwargs)
@@ -83,7 +85,7 @@ class DeadlineWorker(gthread.ThreadWorker):
     def init_process(self) -> None:
         line = self.cfg.limit_request_line
         self.reader.limits = ScanLimits(line=line if 0 < line <= MAX_REQUEST_LINE else MAX_REQUEST_LINE,
-                                        body=MAX_BODY_BYTES)
+                                        body=self.max_body_bytes)
         self.ping_pool = futures.ThreadPoolExecutor(max_workers=PING_THREADS, thread_name_prefix="ping")
         self._fit_connections_to_file_limit()
         # gthread stops accepting at worker_connections: one more, so that it accepts at the cap (accept makes room)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from handler.engine.types import GenerationRequest, SamplingParams
 from handler.errors import BadRequest
 from handler.prompt.renderer import ImageRef, PromptRenderer, RenderedPrompt
+from handler.protocol.attributes import PRIORITY_BOUND
 from handler.protocol.common import (
     BeamFields,
     SpeculationFields,
@@ -142,6 +143,8 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: variables for the chat template (enable_thinking)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI: the template's reasoning_effort
+    # vLLM: the order of admission and prefill, lower first (x-priority in the custom attributes, when absent)
+    priority: int | None = Field(None, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
     _plan: OutputPlan | None = PrivateAttr(None)
 
     def output_plan(self, renderer: PromptRenderer) -> OutputPlan:
@@ -220,6 +223,7 @@ class ChatCompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Co
             grammar=plan.grammar,
             keep_special_ids=(plan.marker_id,) if plan.marker_id is not None else (),
             prompt_param="messages",
+            priority=self.priority,
         )
 
     def sampling_params(self, default_temperature: float) -> SamplingParams:

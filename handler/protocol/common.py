@@ -31,11 +31,10 @@ from handler.engine.types import (
     TextOptions,
 )
 from handler.errors import BadRequest, Unprocessable
+from handler.protocol.attributes import CUSTOM_ATTRIBUTES_HEADER
 
 Model = TypeVar("Model", bound=BaseModel)
 EXTRA_PARAMETERS_HEADER = "extra-parameters"
-# The one request header of a caller's own that SageMaker's InvokeEndpoint forwards: "key=value; key=value"
-CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 
 
 def parse_model(model: type[Model], body: object, prefix: str = "") -> Model:
@@ -81,13 +80,12 @@ class ExtraParameters(enum.Enum):
         return cls.ERROR if value is None else cls._named(value, EXTRA_PARAMETERS_HEADER)
 
     @classmethod
-    def for_request(cls, header: str | None, custom_attributes: str | None, default: str) -> ExtraParameters:
+    def for_request(cls, header: str | None, attribute: str | None, default: str) -> ExtraParameters:
         """The request's policy: the ``extra-parameters`` header, else ``extra-parameters=...`` among SageMaker's
-        custom attributes (unknown attributes are the caller's business, not errors), else the deployment's
+        custom attributes (``attribute``: its value, ``attributes.RequestProperties``), else the deployment's
         ``option.extra_parameters``."""
         if header is not None:
             return cls._named(header, EXTRA_PARAMETERS_HEADER)
-        attribute = custom_attribute(custom_attributes, EXTRA_PARAMETERS_HEADER)
         if attribute is not None:
             return cls._named(attribute, CUSTOM_ATTRIBUTES_HEADER)
         return cls(default)
@@ -102,15 +100,6 @@ class ExtraParameters(enum.Enum):
         except ValueError:
             raise BadRequest(f"invalid extra-parameters {value!r} in {where}: use error, ignore (or drop) or "
                              "pass-through", param=where) from None
-
-
-def custom_attribute(header: str | None, key: str) -> str | None:
-    """The value of ``key`` in a ``key=value; key=value`` custom-attributes header (keys case-insensitive)."""
-    for part in (header or "").split(";"):
-        name, equals, value = part.partition("=")
-        if equals and name.strip().lower() == key:
-            return value.strip()
-    return None
 
 
 class PassThrough(BaseModel):

@@ -32,6 +32,7 @@ from pydantic import ConfigDict, Field
 from handler.engine.types import GenerationRequest
 from handler.errors import BadRequest, Unprocessable
 from handler.prompt.renderer import PromptRenderer
+from handler.protocol.attributes import PRIORITY_BOUND
 from handler.protocol.chat import StreamOptions
 from handler.protocol.common import (
     BeamFields,
@@ -82,6 +83,8 @@ class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Constr
     use_raw_prompt: bool | None = None  # Databricks: false wraps the prompt in the chat template (see above)
     error_behavior: Literal["error", "truncate"] = "error"  # Databricks: a prompt too long for the context
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM: score the prompt, with k alternatives
+    # vLLM: the order of admission and prefill, lower first (x-priority in the custom attributes, when absent)
+    priority: int | None = Field(None, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -168,6 +171,7 @@ class CompletionRequest(StopAndTextFields, BeamFields, SpeculationFields, Constr
                 truncate_prompt=self.error_behavior == "truncate",
                 grammar=grammar,
                 prompt_param=self.prompt_param(index),
+                priority=self.priority,
             )
             for index, ids in enumerate(prompt_ids)
         ]

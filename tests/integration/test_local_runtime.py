@@ -35,6 +35,11 @@ STREAM_BYTES = b"".join(line.encode() + b"\n" for line in STREAM_LINES)
 CHUNK_SIZES = (5, 13, 3, 21, 8, 34)  # odd sizes, unrelated to line ends
 BREAK_AFTER = 40  # bytes sent before the "break" mode drops the connection
 CONTAINER_ERROR = "Input payload must contain an 'inputs' key"
+NEW_SESSION_ID = "0b9e4c2a-5f0e-4b7a-9c1d-2e3f4a5b6c7d"
+SESSION_ANSWERS = {
+    "NEW_SESSION": lambda _sent: {"X-Amzn-SageMaker-New-Session-Id": f"{NEW_SESSION_ID}; Expires=2030-01-31T12:00:00Z"},
+    "CLOSE": lambda sent: {"X-Amzn-SageMaker-Closed-Session-Id": sent},
+}
 
 
 def odd_chunks(data: bytes) -> Iterator[bytes]:
@@ -73,6 +78,10 @@ class FakeContainerHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.seen.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}})
+        session = SESSION_ANSWERS.get(json.loads(body).get("requestType") if body.startswith(b"{") else None)
+        if session is not None:  # a stateful session's NEW_SESSION or CLOSE, answered as the real server does
+            self._json(200, {}, session(self.headers.get("X-Amzn-SageMaker-Session-Id", "")))
+            return
         try:
             request = json.loads(body)
             inputs = request["inputs"]
@@ -378,3 +387,35 @@ def _check_command_line_runtime(process: subprocess.Popen) -> None:
     )
     lines, parts = _lines_and_parts(stream["Body"])
     assert lines == [line.encode() for line in STREAM_LINES] and max(map(len, parts)) <= 3
+
+
+def test_a_stateful_session_opens_is_used_and_closes_through_boto3(client, container) -> None:
+    """``SessionId`` reaches the container as its header (NEW_SESSION too), and the container's session headers
+    come back as boto3's NewSessionId and ClosedSessionId."""
+    opened = client.invoke_endpoint(EndpointName="local", ContentType="application/json", SessionId="NEW_SESSION",
+                                    Body=json.dumps({"requestType": "NEW_SESSION"}))
+    assert opened["NewSessionId"] == f"{NEW_SESSION_ID}; Expires=2030-01-31T12:00:00Z"
+    assert container.seen[-1]["headers"]["x-amzn-sagemaker-session-id"] == "NEW_SESSION"
+    client.invoke_endpoint(EndpointName="local", ContentType="application/json", SessionId=NEW_SESSION_ID,
+                           Body=json.dumps({"inputs": "hi"}))
+    assert container.seen[-1]["headers"]["x-amzn-sagemaker-session-id"] == NEW_SESSION_ID
+    closed = client.invoke_endpoint(EndpointName="local", ContentType="application/json", SessionId=NEW_SESSION_ID,
+                                    Body=json.dumps({"requestType": "CLOSE"}))
+    assert closed["ClosedSessionId"] == NEW_SESSION_ID
+
+
+@pytest.mark.parametrize("session_id", ["../etc", "a" * 257, "-leading-hyphen", "under_score"])
+def test_a_session_id_outside_the_apis_pattern_is_a_validation_error(client, container, session_id: str) -> None:
+    before = len(container.seen)
+    with pytest.raises(client.exceptions.ClientError) as info:
+        client.invoke_endpoint(EndpointName="local", ContentType="application/json", SessionId=session_id,
+                               Body=json.dumps({"inputs": "hi"}))
+    assert info.value.response["Error"]["Code"] == "ValidationError"
+    assert len(container.seen) == before  # refused by the runtime, as by the service: the container never saw it
+
+
+def test_a_session_cannot_be_opened_on_a_stream(client, container) -> None:
+    with pytest.raises(client.exceptions.ClientError) as info:
+        client.invoke_endpoint_with_response_stream(EndpointName="local", ContentType="application/json",
+                                                    SessionId="NEW_SESSION", Body=json.dumps({"inputs": "hi"}))
+    assert info.value.response["Error"]["Code"] == "ValidationError"

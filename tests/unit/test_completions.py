@@ -23,6 +23,7 @@ from handler.formatting import completions
 from handler.formatting.chat import ChatContext
 from handler.formatting.completions import CompletionsContext
 from handler.formatting.context import ChoiceResult, FormatContext, best_choices, cumulative_logprob
+from handler.protocol.attributes import parse_custom_attributes
 from handler.protocol.chat import ChatCompletionRequest
 from handler.protocol.common import ExtraParameters, Extras, PassThrough, parse_model, parse_request
 from handler.protocol.completions import CompletionRequest
@@ -565,12 +566,13 @@ def test_policy_from_header(header: str | None, policy: ExtraParameters) -> None
     ("error", "extra-parameters=ignore", "ignore", ExtraParameters.ERROR),   # the header wins
 ])
 def test_policy_for_a_request(header, attributes, default, policy) -> None:
-    assert ExtraParameters.for_request(header, attributes, default) is policy
+    attribute = parse_custom_attributes(attributes).extra_parameters
+    assert ExtraParameters.for_request(header, attribute, default) is policy
 
 
 def test_bad_policy_in_custom_attributes_names_that_header() -> None:
     with pytest.raises(BadRequest) as info:
-        ExtraParameters.for_request(None, "extra-parameters=maybe", "error")
+        ExtraParameters.for_request(None, parse_custom_attributes("extra-parameters=maybe").extra_parameters, "error")
     assert info.value.param == "X-Amzn-SageMaker-Custom-Attributes"
 
 

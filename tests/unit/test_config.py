@@ -397,6 +397,30 @@ def test_model_server_timeout_is_the_request_timeout(env: dict[str, str], timeou
     assert (settings.request_timeout, settings.worker_timeout) == (request_timeout, worker_timeout)
 
 
+def test_an_async_endpoints_longest_invocation_is_the_longest_request_timeout(env: dict[str, str]) -> None:
+    settings = load_settings({**env, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "3600"})
+    assert (settings.request_timeout, settings.worker_timeout) == (3600.0, 3600)
+    with pytest.raises(ConfigError, match=r"SAGEMAKER_MODEL_SERVER_TIMEOUT \(option.request_timeout\)='3601'"):
+        load_settings({**env, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "3601"})
+
+
+def test_sagemakers_names_set_the_body_limit_and_the_sessions(env: dict[str, str], tmp_path: Path) -> None:
+    from handler.__main__ import gunicorn_options, prepare_sessions_dir
+
+    settings = load_settings({**env, "SAGEMAKER_MAX_REQUEST_SIZE": str(10 * 2**20),
+                              "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true", "SAGEMAKER_SESSIONS_EXPIRATION": "600"})
+    assert (settings.max_request_size, settings.enable_stateful_sessions, settings.sessions_expiration) == (
+        10 * 2**20, True, 600)
+    assert gunicorn_options(settings)["worker_class"].max_body_bytes == 10 * 2**20  # the worker's read budget
+    prepared, made = prepare_sessions_dir(settings)  # the master makes the folder the workers share
+    assert made is not None and made.is_dir() and prepared.sessions_path == str(made)
+    made.rmdir()
+    named = load_settings({**env, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true",
+                           "SAGEMAKER_SESSIONS_PATH": str(tmp_path / "sessions")})
+    assert prepare_sessions_dir(named) == (named, None)
+    assert load_settings(env).max_request_size == 6 * 2**20 and not load_settings(env).enable_stateful_sessions
+
+
 def test_a_bad_environment_value_names_the_variable(env: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match=r"SAGEMAKER_BIND_TO_PORT \(option.port\)='abc'"):
         load_settings({**env, "SAGEMAKER_BIND_TO_PORT": "abc"})

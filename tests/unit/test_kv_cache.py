@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from handler.engine.model.kv_cache import KVCache
-from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
+from handler.engine.runners.kv_space import KVSpace
+from handler.engine.runners.prefix_store import PREFIX_BLOCK, block_keys
 
 LAYERS, HEADS, DIM = 2, 3, 4
 

@@ -9,7 +9,17 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from handler.protocol import chat, completions, constraints, embeddings, legacy, responses, structured, tokenize
+from handler.protocol import (
+    chat,
+    completions,
+    constraints,
+    embeddings,
+    legacy,
+    responses,
+    sessions,
+    structured,
+    tokenize,
+)
 
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SCHEMAS = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
@@ -44,6 +54,7 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("StructuredOutputs",): constraints.StructuredOutputs,
     ("LegacyGrammar",): constraints.LegacyGrammar,
     ("TgiJsonSchema",): constraints.TgiJsonSchema,
+    ("SessionRequest",): sessions.SessionRequest,
     **{(model.__name__,): model for model in (
         responses.InputText, responses.InputImage, responses.OutputText, responses.Refusal, responses.MessageItem,
         responses.FunctionCallItem, responses.FunctionCallOutputItem, responses.ReasoningItem, responses.FunctionTool,
@@ -72,7 +83,7 @@ def test_yaml_properties_and_required_match_the_model(path: tuple) -> None:
 def test_every_request_model_is_in_the_yaml() -> None:
     defined = {
         value
-        for module in (chat, completions, constraints, embeddings, legacy, responses, structured, tokenize)
+        for module in (chat, completions, constraints, embeddings, legacy, responses, sessions, structured, tokenize)
         for value in vars(module).values()
         if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__
     }

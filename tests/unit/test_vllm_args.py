@@ -90,6 +90,8 @@ def test_defaults_follow_the_lean_engines_meanings() -> None:
     assert cpu["enforce_eager"] is False  # option.enforce_eager unset: vLLM's own default (graphs)
     assert cpu["gpu_memory_utilization"] == CPU_MEMORY_FRACTION
     assert "distributed_executor_backend" not in cpu
+    # a request's priority (body or x-priority) is vLLM's: fcfs would refuse any priority but 0
+    assert cpu["scheduling_policy"] == "priority"
     cuda = engine_kwargs(settings(), GPUS8, 2048, LLAMA_70B)
     assert (cuda["dtype"], cuda["gpu_memory_utilization"], cuda["tensor_parallel_size"]) == ("bfloat16", 0.9, 1)
 

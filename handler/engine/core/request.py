@@ -219,6 +219,9 @@ class RequestState:
     is_expired: bool = False
     prompt_logprobs: dict[int, PromptLogprob] = field(default_factory=dict)  # by prompt position, as prefill scores
     order: int = 0                     # the scheduler's arrival number
+    # steps in which newer work was admitted or prefilled while this request got nothing (the scheduler's bound on
+    # how long a better priority can pass it)
+    passed: int = 0
     beams: object | None = None        # core.beam.BeamSearch, once a beam request's beams have forked
     choices_ended: bool = False        # a beam request sent its choices' final events (its beams are no choices)
 
@@ -235,6 +238,11 @@ class RequestState:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def priority(self) -> int:
+        """Lower is admitted and prefilled first (``GenerationRequest.priority``; not asked: 0)."""
+        return self.request.priority or 0
 
     @property
     def is_waiting(self) -> bool:

@@ -30,7 +30,7 @@ from handler.engine.core.constraints import GrammarCompiler
 from handler.engine.core.embedding import EmbeddingJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
 from handler.engine.lean.speculate import Speculation
-from handler.engine.lean.steps import StepLoop
+from handler.engine.lean.steps import EndSession, StepLoop
 from handler.engine.model.support import UnsupportedModel
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
@@ -75,7 +75,7 @@ class Engine:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self.limits = limits
-        self._inbox: queue.SimpleQueue[RequestState | EmbeddingJob | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[RequestState | EmbeddingJob | EndSession | None] = queue.SimpleQueue()
         self._loaded: LoadedModel | None = None
         self._loop: StepLoop | None = None      # the step loop, once the model is loaded (``steps``)
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
@@ -124,11 +124,14 @@ class Engine:
                              param=request.prompt_param)
         request = fit_prompt(request, self.limits)
         self.validate(request)
-        adapter = self._resolve_adapter(request)
         state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
-                             matcher=self._compile_grammar(request), adapter=adapter)
+                             matcher=self._compile_grammar(request), adapter=self._resolve_adapter(request))
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
+
+    def end_session(self, session_id: str) -> None:
+        """A stateful session ended: the engine thread lets go of its pinned prefix blocks before its next step."""
+        self._inbox.put(EndSession(session_id))
 
     @property
     def adapters(self) -> AdapterStore | None:
@@ -141,9 +144,8 @@ class Engine:
             return None
         store = self.adapters
         if store is None:
-            raise NotFound(f"The adapter {request.adapter} was not found: this server serves no adapters "
-                           "(option.enable_lora=true serves them)", param=request.adapter_param,
-                           code="adapter_not_found")
+            raise NotFound(f"The adapter {request.adapter} was not found: this server serves no adapters (option."
+                           "enable_lora=true serves them)", param=request.adapter_param, code="adapter_not_found")
         return store.resolve(request.adapter, request.adapter_param)
 
     @property
@@ -281,7 +283,7 @@ class Engine:
         except queue.Empty:
             return
 
-    def _take(self, item: RequestState | EmbeddingJob) -> None:
+    def _take(self, item: RequestState | EmbeddingJob | EndSession) -> None:
         """One submitted item into the step loop; one that cannot join fails alone, with an error event."""
         try:
             self._loop.add(item)
@@ -290,7 +292,7 @@ class Engine:
             message = f"the engine could not take the request: {type(error).__name__}: {error}"
             if isinstance(item, EmbeddingJob):
                 item.fail(EngineError(message))
-            else:
+            elif isinstance(item, RequestState):
                 item.finish_unstarted(FinishReason.ERROR, message, ErrorKind.MODEL)
 
     def _report(self, batch_size: int) -> None:

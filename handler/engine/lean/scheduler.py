@@ -13,6 +13,12 @@ decode rows and the oldest's quarter; shared with others arriving together), and
 token from the first step that starts after it arrives, whatever long prompts are prefilling; its time to first
 token is at most the rest of the step in progress plus one short step.
 
+Priorities (``GenerationRequest.priority``, lower first) come before all of that: admission and prefill go to the
+best priority first, and within one priority as above (its oldest first with the quarter, then the cheapest). A
+request that better priorities pass is not starved: every step in which newer work is admitted or prefilled while
+it gets nothing counts, and after ``MAX_PASSED_STEPS`` such steps it ranks with the best, oldest first, so it is
+the next admitted (and gets the quarter). Memory preempts the worst priority first, the newest among equals.
+
 Memory is the KV space's (``runners.kv_space.KVSpace``, or ``Unbounded`` for a runner that keeps its own caches): a
 request is admitted only when its prompt's slot fits. When a decoding sequence outgrows its slot and the budget has
 no room, the newest running sequences are preempted (their slots freed; they wait at the front and recompute what
@@ -34,6 +40,9 @@ from handler.engine.runners.base import StepPlan, Unbounded
 # A step always leaves at least this many prompt tokens for waiting requests, so a full decode batch cannot
 # starve them.
 _MIN_PREFILL_TOKENS = 32
+# Steps a request may get nothing while newer work is admitted or prefilled (better priorities passing it) before
+# it ranks with the best priority
+MAX_PASSED_STEPS = 16
 
 
 class Scheduler:
@@ -90,17 +99,19 @@ class Scheduler:
         budget = max(self.max_step_tokens - len(self.running), _MIN_PREFILL_TOKENS)
         chunks: dict[Sequence, int] = {}
         work = [s for s in self.running if s.is_prefilling] + list(self.preempted) + list(self.waiting)
-        oldest = min(work, key=_order, default=None)
-        cheapest = sorted(work, key=_cost)
+        oldest = min(work, key=lambda item: (_rank(item), _order(item)), default=None)
+        cheapest = sorted(work, key=lambda item: (_rank(item), _cost(item)))
         step = _Step(budget)
-        # the oldest piece of work first, with a quarter of the budget; then, cheapest first, the prompts that
-        # complete in this step; then unfinished chunks, unless a new request gets its first token from this step
+        # the best priority's oldest piece of work first, with a quarter of the budget; then, by priority and
+        # cheapest first, the prompts that complete in this step; then unfinished chunks, unless a new request gets
+        # its first token from this step
         self._add(step, oldest, max(budget // 4, 1), chunks)
         for item in cheapest:
             self._add(step, item, step.budget, chunks, whole=True)
         if not step.first_token:
             for item in cheapest:
                 self._add(step, item, step.budget, chunks)
+        _count_passed(work, step.served)
         prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
         return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
 
@@ -120,6 +131,7 @@ class Scheduler:
                 return
             step.budget -= 1  # its decode row (a placeholder while it prefills)
             step.admitted.append(sequence)
+            step.served.add(sequence.request)
         done = sequence.num_cached + chunks.get(sequence, 0)
         left, most = sequence.prefill_target - done, min(share, step.budget)
         if self._chunk_cost(done, left) <= most:
@@ -132,6 +144,7 @@ class Scheduler:
             chunks[sequence] = chunks.get(sequence, 0) + length
             step.budget -= self._chunk_cost(done, length)
             step.first_token |= length == left and sequence in step.admitted
+            step.served.add(sequence.request)
 
     def _chunk_cost(self, start: int, length: int) -> int:
         """A prefill chunk's cost in token budget: its tokens, and its attention over the keys before it counted
@@ -151,7 +164,7 @@ class Scheduler:
             if sequence.is_prefilling or sequence not in self.running:
                 continue
             while not self.space.grow(sequence, sequence.num_cached + 1):
-                victim = max(_movable(self.running, sequence), key=_order)
+                victim = max(_movable(self.running, sequence), key=_yield_order)
                 self.preempt(victim)
                 if victim is sequence:
                     break
@@ -199,7 +212,7 @@ class Scheduler:
                 self.preempted.append(child)
                 self.preempted.sort(key=_order)
                 return False
-            self.preempt(max(victims, key=_order))
+            self.preempt(max(victims, key=_yield_order))
         self.running.append(child)
         return True
 
@@ -258,6 +271,7 @@ class _Step:
     admitted: list[Sequence] = field(default_factory=list)  # sequences that joined the batch in this step
     blocked: bool = False       # the oldest waiting work did not fit: nothing newer is admitted
     first_token: bool = False   # a sequence admitted in this step completes its prompt in it
+    served: set[RequestState] = field(default_factory=set)  # requests admitted or given a chunk in this step
 
 
 def _choices(sequence: Sequence, waiting: bool = False) -> int:
@@ -276,6 +290,29 @@ def _movable(running: list[Sequence], needing: Sequence) -> list[Sequence]:
 
 def _order(item: RequestState | Sequence) -> tuple[int, int]:
     return item.order if isinstance(item, Sequence) else (item.order, 0)
+
+
+def _state(item: RequestState | Sequence) -> RequestState:
+    return item.request if isinstance(item, Sequence) else item
+
+
+def _rank(item: RequestState | Sequence) -> tuple[int, int]:
+    """Who goes first: a request passed ``MAX_PASSED_STEPS`` times ranks with the best; else by priority."""
+    state = _state(item)
+    return (0, 0) if state.passed >= MAX_PASSED_STEPS else (1, state.priority)
+
+
+def _yield_order(sequence: Sequence) -> tuple[int, tuple[int, int]]:
+    """Which running sequence gives way to memory first: the worst priority, then the newest."""
+    return sequence.request.priority, _order(sequence)
+
+
+def _count_passed(work: list[RequestState | Sequence], served: set[RequestState]) -> None:
+    """A step in which newer work was admitted or prefilled counts against each older request it left with nothing."""
+    newest = max((state.order for state in served), default=-1)
+    for state in {_state(item) for item in work} - served:
+        if state.order < newest:
+            state.passed += 1
 
 
 def _cost(item: RequestState | Sequence) -> tuple[int, tuple[int, int]]:

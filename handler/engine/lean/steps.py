@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 from handler.engine.backend import EngineLimits, EngineStats
 from handler.engine.core import prompt_logprobs
@@ -35,6 +36,13 @@ from handler.engine.types import (
 from handler.errors import EngineError, NotReady
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EndSession:
+    """A stateful session ended (closed): its pinned prefix blocks are let go (``Engine.end_session``)."""
+
+    session_id: str
 
 
 class WarmUpFailed(RuntimeError):
@@ -68,9 +76,13 @@ class StepLoop:
     def has_running(self) -> bool:
         return self.scheduler.has_running
 
-    def add(self, item: RequestState | EmbeddingJob) -> None:
+    def add(self, item: RequestState | EmbeddingJob | EndSession) -> None:
         if isinstance(item, EmbeddingJob):
             self.embeddings.append(item)
+        elif isinstance(item, EndSession):
+            end = getattr(self.runner, "end_session", None)  # a runner without a prefix store pins nothing
+            if end is not None:
+                end(item.session_id)
         else:
             self.scheduler.add(item)
 

@@ -14,18 +14,12 @@ each step) or a paged-attention kernel, which plain PyTorch on CPU lacks. Measur
 per layer, 3 KV heads of 64): a 32 x 128-position decode attention took 0.24 ms dense, 3.4 ms with a gather, 0.79
 ms computed block by block; 30 layers make that 7 ms against 100 ms per step.
 
-``PrefixStore`` keeps whole ``PREFIX_BLOCK``s of prefilled tokens (keys and values, all layers) under a hash of every
-token before and in the block (and of the image features there), least recently used first out. Small blocks: what
-a later prompt recomputes is at most a block beyond its new tokens (measured, 4-turn chat under a 1,000-token system
-prompt: 64-token blocks left 48-94 tokens to compute per turn, 16-token blocks 46-49).
+Its prefix store (``prefix_store.PrefixStore``) counts under the same budget: a slab that must be allocated evicts
+prefix blocks first, stateful sessions' pinned blocks last (the oldest session first).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,9 +27,9 @@ from typing import Protocol
 import torch
 
 from handler.engine.model.kv_cache import MIN_SLOTS, KVCache, whole_blocks
+from handler.engine.runners.prefix_store import PREFIX_BLOCK, PrefixStore
+from handler.engine.types import SessionRef
 
-# The prefix cache's unit (a prefilled chunk after a cached prefix may start anywhere: attention is cut at KEY_BLOCKs)
-PREFIX_BLOCK = 16
 SMALLEST_CLASS = 256
 
 
@@ -200,17 +194,22 @@ class KVSpace:
         for number, (keys, values) in enumerate(blocks):
             slab.load(slot, keys, values, start=number * PREFIX_BLOCK)
 
-    def store_blocks(self, owner: Occupant, keys: list[bytes], first: int) -> None:
+    def store_blocks(self, owner: Occupant, keys: list[bytes], first: int, session: SessionRef | None = None) -> None:
         """Keep blocks ``first..first+len(keys)-1`` of ``owner``'s slot under ``keys``, making room under the
-        budget by evicting older blocks (never slabs)."""
+        budget by evicting older blocks (never slabs; a session's pins only for another session's blocks, the
+        least recently used session first). A session's blocks are pinned for it as they are kept."""
         slab, slot = self._locate(owner.kv_slot)
+        prefixes, keep = self.prefixes, session.session_id if session is not None else None
         for number, key in enumerate(keys, start=first):
-            if key in self.prefixes:
-                self.prefixes.touch(key)
-                continue
-            if self.num_bytes + self.prefixes.block_bytes > self.budget and not self.prefixes.evict_one():
+            if key in prefixes:
+                prefixes.touch(key)
+            elif self.num_bytes + prefixes.block_bytes > self.budget and \
+                    not prefixes.evict_one(sessions=session is not None, keep=keep):
                 return
-            self.prefixes.put(key, slab.read(slot, number * PREFIX_BLOCK, (number + 1) * PREFIX_BLOCK))
+            else:
+                prefixes.put(key, slab.read(slot, number * PREFIX_BLOCK, (number + 1) * PREFIX_BLOCK))
+            if session is not None:
+                prefixes.pin(session, (key,))
 
     # ---- attention's view ----------------------------------------------------------------------------------
     def repeat_group(self, owner: Occupant, rows: int) -> Repeat:
@@ -299,67 +298,3 @@ class KVSpace:
         while self.num_bytes + size > self.budget and self.prefixes.evict_one():
             pass
         return self.num_bytes + size <= self.budget
-
-
-class PrefixStore:
-    """Whole PREFIX_BLOCKs of prefilled KV by content hash, least recently used first out (``KVSpace`` evicts)."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 enabled: bool = True) -> None:
-        self.enabled = enabled
-        element = torch.empty(0, dtype=dtype).element_size()
-        self.block_bytes = 2 * num_layers * num_kv_heads * PREFIX_BLOCK * head_dim * element
-        self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def num_bytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
-
-    def match(self, keys: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The stored blocks of the longest run of ``keys`` from the first (each marked as just used)."""
-        found = []
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is None:
-                break
-            self._blocks.move_to_end(key)
-            found.append(block)
-        return found
-
-    def touch(self, key: bytes) -> None:
-        self._blocks.move_to_end(key)
-
-    def put(self, key: bytes, block: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._blocks[key] = block
-
-    def evict_one(self) -> bool:
-        if not self._blocks:
-            return False
-        self._blocks.popitem(last=False)
-        return True
-
-    def clear(self) -> None:
-        self._blocks.clear()
-
-
-def block_keys(token_ids: Seq[int], first: int, count: int, previous: bytes = b"",
-               extra: Callable[[int], bytes] | None = None) -> list[bytes]:
-    """Keys of whole blocks ``first..first+count-1`` of ``token_ids`` (``previous``: block ``first - 1``'s key).
-    Each hashes the previous key, the block's tokens and ``extra(block)`` (a digest of the image features inside
-    it), so a key names its whole prefix. A cryptographic hash: two different prefixes must never share cached KV,
-    whoever sends them."""
-    keys = []
-    for number in range(first, first + count):
-        digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(array("i", token_ids[number * PREFIX_BLOCK:(number + 1) * PREFIX_BLOCK]).tobytes())
-        if extra is not None:
-            digest.update(extra(number))
-        previous = digest.digest()
-        keys.append(previous)
-    return keys

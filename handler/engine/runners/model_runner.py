@@ -16,7 +16,8 @@ from handler.engine.model.layout import build_layout
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.cuda_graphs import DecodeGraphs, why_eager
-from handler.engine.runners.kv_space import PREFIX_BLOCK, KVSpace, block_keys
+from handler.engine.runners.kv_space import KVSpace
+from handler.engine.runners.prefix_store import PREFIX_BLOCK, block_keys
 from handler.engine.types import Pooling
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,12 @@ class ModelRunner:
         hit, source = 0, None
         store = self.space.prefixes
         if store.enabled and target > PREFIX_BLOCK:
-            blocks = store.match(self.block_keys(sequence, (target - 1) // PREFIX_BLOCK))
+            keys = self.block_keys(sequence, (target - 1) // PREFIX_BLOCK)
+            blocks = store.match(keys)
             hit, source = len(blocks) * PREFIX_BLOCK, blocks
+            session = sequence.request.request.session
+            if session is not None:  # this prompt's conversation is the session's now: what it reuses stays pinned
+                store.pin(session, keys[:len(blocks)], replace=True)
         shared = len(self.prefix_ids)
         # the shared prefix was computed by the base model: an adapter's prompt computes its own
         if hit < shared < target and sequence.request.adapter is None and \
@@ -127,6 +132,10 @@ class ModelRunner:
         for i, (start, ids) in enumerate(zip(starts, inputs, strict=True)):
             padded[i, :len(ids)] = states[start:start + len(ids)]
         return pool(padded, [len(ids) for ids in inputs], pooling)
+
+    def end_session(self, session_id: str) -> None:
+        """A stateful session ended (closed): its blocks are no longer pinned."""
+        self.space.prefixes.end_session(session_id)
 
     def clear_prefix_cache(self) -> None:
         self.space.prefixes.clear()
@@ -232,7 +241,7 @@ class ModelRunner:
         count = min(sequence.num_cached, sequence.prefill_target) // PREFIX_BLOCK
         if count > sequence.num_stored_blocks:
             keys = self.block_keys(sequence, count)[sequence.num_stored_blocks:]
-            self.space.store_blocks(sequence, keys, sequence.num_stored_blocks)
+            self.space.store_blocks(sequence, keys, sequence.num_stored_blocks, sequence.request.request.session)
             sequence.num_stored_blocks = count
 
 

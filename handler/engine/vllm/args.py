@@ -95,6 +95,9 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         "generation_config": "vllm",   # requests carry every sampling value; the model's defaults are ours to apply
         "disable_log_stats": True,
         "seed": 0,
+        # a request's priority (the body's priority, x-priority in the custom attributes): lower first, then arrival;
+        # with every priority 0 it is fcfs (vLLM refuses a priority other than 0 under fcfs)
+        "scheduling_policy": "priority",
     }
     if reasoning_parser is None and settings.reasoning_parser not in ("auto", "none"):
         reasoning_parser = settings.reasoning_parser

@@ -132,6 +132,10 @@ class VllmBackend:
         self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
         return RequestHandle(state, lambda: self.is_alive)
 
+    def end_session(self, session_id: str) -> None:
+        """Stateful sessions are the front door's bookkeeping here: vLLM's prefix cache has no pins to let go."""
+        return None
+
     def enable_adapters(self, max_rank: int, model_dir: Path) -> None:
         """Serve LoRA adapters (option.enable_lora; vLLM was started with ``enable_lora``)."""
         self._adapters = VllmAdapters(lambda: self._engine, lambda: self._loop, max_rank, model_dir)

@@ -130,7 +130,8 @@ class BeamRunner:
         inputs = prompt_inputs(request)
         inputs["prompt_token_ids"] = inputs["prompt_token_ids"] + tokens
         outputs = self._engine.generate(TokensPrompt(**inputs), params,
-                                        f"{request.request_id}-beam-{next(self._ids)}", lora_request=adapter)
+                                        f"{request.request_id}-beam-{next(self._ids)}", lora_request=adapter,
+                                        priority=request.priority or 0)
         last = None
         try:
             async for output in outputs:

@@ -75,7 +75,8 @@ class ChoiceRunner:
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
         outputs = self._engine.generate(TokensPrompt(**prompt_inputs(request)), params,
                                         f"{request.request_id}-{index}-{next(self._ids)}",
-                                        lora_request=state.adapter)  # a LoRARequest, or None: the base model
+                                        lora_request=state.adapter,  # a LoRARequest, or None: the base model
+                                        priority=request.priority or 0)
         sequence = None
         try:
             async for output in outputs:
