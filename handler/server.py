@@ -28,6 +28,7 @@ from handler import request_log
 from handler.djl.routes import UserInvocations
 from handler.endpoints.adapters import Adapters
 from handler.endpoints.base import Call, FrontDoor, error_response, serving_error_of
+from handler.endpoints.bidirectional import BidirectionalStream
 from handler.endpoints.body import read_body
 from handler.endpoints.chat import Chat
 from handler.endpoints.completions import Completions
@@ -39,6 +40,7 @@ from handler.endpoints.models import Models
 from handler.endpoints.responses import Responses
 from handler.endpoints.tokenizer import Tokenizer
 from handler.errors import ErrorShape
+from handler.process.handover import take_socket
 from handler.process.request_reader import MAX_BODY_BYTES
 from handler.protocol.common import new_request_id
 from handler.service import ModelService
@@ -53,6 +55,7 @@ class Route(NamedTuple):
     method: str
     rule: str
     answer: Callable[..., Response]  # an endpoint's route function: (call, **the rule's variables)
+    websocket: bool = False          # the rule takes WebSocket upgrades only (and plain requests never)
 
 
 def route_table(door: FrontDoor) -> list[Route]:
@@ -63,7 +66,12 @@ def route_table(door: FrontDoor) -> list[Route]:
                                           "embeddings": embeddings.serve, "responses": responses.serve})
     if door.service.user_handler is not None:  # a user's model.py answers /invocations, and may call ours
         invocations = UserInvocations(door, builtin=invocations)
+    # a WebSocket's messages are requests to one of these routes (SageMaker's Model-Invocation-Path picks which)
+    streams = BidirectionalStream(door, routes={"/invocations": invocations.post, "/v1/chat/completions": chat.post,
+                                                "/v1/completions": completions.post, "/v1/responses": responses.post,
+                                                "/v1/embeddings": embeddings.post})
     return [
+        *(Route("GET", path, streams.connect, websocket=True) for path in streams.paths),
         Route("GET", "/ping", health.ping),
         Route("GET", "/metrics", health.metrics),
         Route("POST", "/invocations", invocations.post),
@@ -92,8 +100,9 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     request_log.configure_logging(service.settings.log_level)
     door = FrontDoor(service, is_draining)
     for route in route_table(door):
-        app.add_url_rule(route.rule, endpoint=f"{route.method} {route.rule}", view_func=_with_call(route.answer),
-                         methods=[route.method])
+        name = f"{'WEBSOCKET' if route.websocket else route.method} {route.rule}"
+        app.add_url_rule(route.rule, endpoint=name, view_func=_with_call(route.answer), methods=[route.method],
+                         websocket=route.websocket)
     app.before_request(open_call)
     app.after_request(lambda response: close_call(response, door))
     app.register_error_handler(Exception, unanswered_error)
@@ -110,8 +119,10 @@ def _with_call(answer: Callable[..., Response]) -> Callable[..., Response]:
 # ---- hooks ------------------------------------------------------------------------------------------------------
 def open_call() -> None:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    environ = request.environ
     g.call = Call(request.headers, lambda: read_body(request), request_log.start(new_request_id("req"), route),
-                  request.environ.get("gunicorn.socket"))  # the socket is absent under a test client
+                  environ.get("gunicorn.socket"),  # the socket is absent under a test client
+                  query=request.args, take_socket=lambda: take_socket(environ))
 
 
 def close_call(response: Response, door: FrontDoor) -> Response:
