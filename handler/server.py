@@ -4,7 +4,8 @@
 The hooks: before a request, its ``Call`` (headers, body reader, request record, the client's connection); after
 it, the response is tagged (``X-Request-Id``: the completion's id once a request reached the engine, a fresh one
 for requests refused before; ``extra-parameters-ignored``: body fields the ``extra-parameters`` policy dropped;
-``X-Request-Timeout`` on an answer the deadline cut), and once it has been sent the request is logged and counted
+``X-Request-Timeout`` on an answer the deadline cut; ``endpoint-load-metrics``, an ORCA load report, when the request
+asks with ``endpoint-load-metrics-format``), and once it has been sent the request is logged and counted
 (``request_log``). Errors no endpoint answered (no such route, a method a route does not take) are written in the
 shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
 
@@ -24,7 +25,7 @@ from urllib.parse import quote
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import MethodNotAllowed
 
-from handler import request_log
+from handler import metrics, request_log
 from handler.djl.routes import UserInvocations
 from handler.endpoints.adapters import Adapters
 from handler.endpoints.base import Call, FrontDoor, error_response, serving_error_of
@@ -134,6 +135,10 @@ def close_call(response: Response, door: FrontDoor) -> Response:
         response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in record.ignored_fields)
     if record is not None and record.cut_by_deadline:  # a non-streaming answer the deadline cut (request_log)
         response.headers[TIMEOUT_HEADER] = f"{door.service.settings.request_timeout:g}"
+    load_format = call.headers.get(metrics.ORCA_FORMAT_HEADER) if call is not None else None
+    load_report = metrics.orca_header(load_format) if load_format else None
+    if load_report is not None:  # an ORCA load report, asked for as vLLM's routers ask
+        response.headers[metrics.ORCA_HEADER] = load_report
     for key in call.watch_keys if call is not None else ():
         response.call_on_close(lambda key=key: door.watcher.unwatch(key))
     if record is not None and record.route not in UNLOGGED_ROUTES:

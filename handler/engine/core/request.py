@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -219,6 +220,7 @@ class RequestState:
     is_expired: bool = False
     prompt_logprobs: dict[int, PromptLogprob] = field(default_factory=dict)  # by prompt position, as prefill scores
     order: int = 0                     # the scheduler's arrival number
+    queued_at: float = field(default_factory=time.monotonic)  # the backend's intake: its queue time counts from here
     beams: object | None = None        # core.beam.BeamSearch, once a beam request's beams have forked
     choices_ended: bool = False        # a beam request sent its choices' final events (its beams are no choices)
 
