@@ -155,8 +155,14 @@ class _Served:
 
 
 def set_model_name(name: str) -> None:
-    """The served model's name (``model_name`` on the ``vllm:*`` metrics), before the engine reports."""
+    """The served model's name (``model_name`` on the ``vllm:*`` metrics), before the engine reports; its series are
+    there from now on, at zero, as vLLM's are before any request."""
     _Served.model_name = name
+    for gauge in (VLLM_RUNNING, VLLM_WAITING):
+        gauge.labels(name).set(0)
+    for series in (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS, VLLM_GENERATION_TOKENS, VLLM_TTFT,
+                   VLLM_ITL, VLLM_E2E, VLLM_QUEUE_TIME):
+        series.labels(name)
 
 
 def _record_vllm_step(stats: EngineStats) -> None:
