@@ -29,12 +29,15 @@ sends the request body while it reads the answer. Not emulated: HTTP/2, SigV4 ch
 from __future__ import annotations
 
 import functools
+import http.client
 import logging
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+from urllib.parse import urlsplit
 
 from botocore.eventstream import EventStreamBuffer
 from websockets.exceptions import InvalidHandshake, InvalidStatus
@@ -161,4 +164,50 @@ def bridge(rfile: BinaryIO, conn: FrameConnection, frames: queue.SimpleQueue, wr
     reader.join(1.0)
 
 
-__all__ = ["InvalidHandshake", "InvalidStatus", "bridge", "container_url", "open_container"]
+# ---- a client, on the wire -------------------------------------------------------------------------------------
+class BidirectionalCall:
+    """A client of the local runtime's ``InvokeEndpointWithBidirectionalStream``, on the wire as AWS's SDK sends it
+    over HTTP/1.1 (for tests, and to try a container without that SDK): an event-stream request body sent part by
+    part while the event-stream answer is read."""
+
+    def __init__(self, runtime_url: str, headers: dict[str, str] | None = None) -> None:
+        address = urlsplit(runtime_url)
+        self.sock = socket.create_connection((address.hostname, address.port), timeout=120)
+        lines = ["POST /endpoints/my-endpoint/invocations-bidirectional-stream HTTP/1.1", f"Host: {address.netloc}",
+                 "Content-Type: application/vnd.amazon.eventstream", "Transfer-Encoding: chunked",
+                 *(f"{name}: {value}" for name, value in (headers or {}).items())]
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self.response: http.client.HTTPResponse | None = None
+        self.events = EventStreamBuffer()
+
+    def send(self, data: bytes, completion_state: str = "COMPLETE", data_type: str = "UTF8") -> None:
+        event = eventstream.encode_message({":event-type": "PayloadPart", ":message-type": "event",
+                                            "DataType": data_type, "CompletionState": completion_state}, data)
+        self.sock.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+
+    def end(self) -> None:
+        self.sock.sendall(b"0\r\n\r\n")
+
+    def status(self) -> int:
+        if self.response is None:
+            self.response = http.client.HTTPResponse(self.sock)
+            self.response.begin()
+        return self.response.status
+
+    def answer(self) -> list:
+        """The events (botocore's ``EventStreamMessage``) up to a COMPLETE part, or to the stream's end."""
+        if self.status() != 200:
+            raise RuntimeError(f"the runtime answered {self.status()}")
+        found = []
+        while True:
+            for message in self.events:
+                found.append(message)
+                if message.headers.get("CompletionState") == "COMPLETE":
+                    return found
+            data = self.response.read1(65536)
+            if not data:
+                return found
+            self.events.add_data(data)
+
+
+__all__ = ["BidirectionalCall", "InvalidHandshake", "InvalidStatus", "bridge", "container_url", "open_container"]

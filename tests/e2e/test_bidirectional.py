@@ -11,21 +11,17 @@ connection with a code and a reason.
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
-import socket
 import threading
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import pytest
 import requests
-from botocore.eventstream import EventStreamBuffer
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from devtools import eventstream
+from devtools.local_bidi import BidirectionalCall
 from tests.e2e.conftest import RunningServer, local_runtime, metric, start_server, stop_server
 
 LEGACY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
@@ -162,49 +158,6 @@ def test_a_message_over_the_body_limit_closes_with_1009_and_a_reason(url: str) -
 
 
 # ---- through the local runtime, as a client of InvokeEndpointWithBidirectionalStream sees it -------------------
-
-class BidirectionalCall:
-    """``InvokeEndpointWithBidirectionalStream`` on the wire (what AWS's SDK sends over HTTP/1.1): an event-stream
-    request body sent part by part while the event-stream answer is read."""
-
-    def __init__(self, runtime_url: str, headers: dict[str, str] | None = None) -> None:
-        address = urlsplit(runtime_url)
-        self.sock = socket.create_connection((address.hostname, address.port), timeout=120)
-        lines = ["POST /endpoints/my-endpoint/invocations-bidirectional-stream HTTP/1.1", f"Host: {address.netloc}",
-                 "Content-Type: application/vnd.amazon.eventstream", "Transfer-Encoding: chunked",
-                 *(f"{name}: {value}" for name, value in (headers or {}).items())]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self.response: http.client.HTTPResponse | None = None
-        self.events = EventStreamBuffer()
-
-    def send(self, data: bytes, completion_state: str = "COMPLETE") -> None:
-        event = eventstream.encode_message({":event-type": "PayloadPart", ":message-type": "event",
-                                            "DataType": "UTF8", "CompletionState": completion_state}, data)
-        self.sock.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-
-    def end(self) -> None:
-        self.sock.sendall(b"0\r\n\r\n")
-
-    def status(self) -> int:
-        if self.response is None:
-            self.response = http.client.HTTPResponse(self.sock)
-            self.response.begin()
-        return self.response.status
-
-    def answer(self) -> list:
-        """The events up to a COMPLETE part (or the stream's end)."""
-        assert self.status() == 200
-        found = []
-        while True:
-            for message in self.events:
-                found.append(message)
-                if message.headers.get("CompletionState") == "COMPLETE":
-                    return found
-            data = self.response.read1(65536)
-            if not data:
-                return found
-            self.events.add_data(data)
-
 
 def test_the_local_runtime_bridges_payload_parts_and_frames(url: str) -> None:
     legacy = requests.post(f"{url}/invocations", json=LEGACY, timeout=120).json()
