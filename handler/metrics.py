@@ -121,7 +121,8 @@ VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to
 KV_BLOCKS_USED_NAME, KV_BLOCKS_NAME = "llm_kv_cache_used_blocks", "llm_kv_cache_blocks"
 KV_BLOCKS_USED = Gauge(KV_BLOCKS_USED_NAME, "KV-cache blocks (vllm:cache_config_info's block_size tokens) "
                        "that running sequences hold.", multiprocess_mode="livesum")
-KV_BLOCKS = Gauge(KV_BLOCKS_NAME, "KV-cache blocks the engines hold in all.", multiprocess_mode="livesum")
+KV_BLOCKS = Gauge(KV_BLOCKS_NAME, "KV-cache blocks the engines hold in all (an engine that tells no block count "
+                  "counts as one).", multiprocess_mode="livesum")
 VLLM_CACHE_CONFIG = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", ["block_size",
                           "num_gpu_blocks", "engine"], multiprocess_mode="livemax")
 VLLM_LORA_INFO = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
@@ -170,8 +171,9 @@ def _record_vllm_step(stats: EngineStats) -> None:
     _Served.kv_cache_usage, _Served.num_waiting = stats.kv_cache_usage, stats.num_waiting
     VLLM_RUNNING.labels(name).set(stats.num_running)
     VLLM_WAITING.labels(name).set(stats.num_waiting)
-    KV_BLOCKS.set(stats.kv_num_blocks)
-    KV_BLOCKS_USED.set(stats.kv_cache_usage * stats.kv_num_blocks)
+    blocks = stats.kv_num_blocks or 1  # an engine that tells no block count weighs as one block
+    KV_BLOCKS.set(blocks)
+    KV_BLOCKS_USED.set(stats.kv_cache_usage * blocks)
     if stats.kv_num_blocks:
         VLLM_CACHE_CONFIG.labels(str(stats.kv_block_size), str(stats.kv_num_blocks), "0").set(1)
     if stats.prefix_cache_queries:
