@@ -66,7 +66,9 @@ QUERY_STRING_HEADER = "X-Amzn-SageMaker-Model-Query-String"
 POLL_S = 1.0           # how often an open connection looks at its deadlines and at the server stopping
 IDLE_S = 75.0          # gunicorn's keep-alive here; SageMaker pings every 60 s, so its connections never idle out
 CLOSE_WAIT_S = 2.0     # how long a close from here waits for the client's close frame
-MAX_QUEUED_FRAMES = 64  # frames read ahead while a request is answered; past it, reading waits
+# frames read ahead while a request is answered (websockets' default); past it, reading waits for the answer, pings
+# and a close included. Each frame is at most the body limit.
+MAX_QUEUED_FRAMES = 16
 
 Route = Callable[[Call], Response]
 
@@ -181,6 +183,9 @@ class Session:
                         return
                     continue
                 self._answer(conn, message)
+                if self.endpoint.door.is_draining():  # the answer said so (503); nothing more is taken here
+                    conn.close(CloseCode.GOING_AWAY, "the server is stopping")
+                    return
         except ConnectionClosed:
             return
         except Exception:  # the socket is ours: nothing may reach gunicorn's error path
