@@ -54,5 +54,7 @@ RUN python -m compileall -q handler djl_python \
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true
+# a WebSocket at /invocations-bidirectional-stream (handler/endpoints/bidirectional.py)
+LABEL com.amazonaws.sagemaker.capabilities.bidirectional-streaming=true
 ENTRYPOINT ["/opt/venv/bin/python", "-m", "handler"]
 CMD ["serve"]

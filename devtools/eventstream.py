@@ -1,7 +1,7 @@
 """Encoder for the AWS event-stream binary format (``application/vnd.amazon.eventstream``).
 
 Written from the published wire format, used by :mod:`devtools.local_runtime` to emulate SageMaker's
-``InvokeEndpointWithResponseStream``. One message is::
+``InvokeEndpointWithResponseStream`` and ``InvokeEndpointWithBidirectionalStream``. One message is::
 
     prelude:  total length (uint32 BE) | headers length (uint32 BE) | CRC32 of those 8 bytes (uint32 BE)
     headers:  repeated  name length (uint8) | name (UTF-8) | value type (uint8) | value ...
@@ -63,13 +63,19 @@ def encode_message(headers: dict[str, str], payload: bytes) -> bytes:
     return message + _CRC.pack(_crc32(message))
 
 
-def payload_part(data: bytes) -> bytes:
-    """A SageMaker ``PayloadPart`` event: the payload is the raw ``Bytes`` blob (``eventpayload``)."""
+def payload_part(data: bytes, data_type: str | None = None, completion_state: str | None = None) -> bytes:
+    """A SageMaker ``PayloadPart`` event: the payload is the raw ``Bytes`` blob (``eventpayload``); a bidirectional
+    stream's parts also say ``DataType`` (``UTF8`` / ``BINARY``) and ``CompletionState`` (``PARTIAL`` /
+    ``COMPLETE``) in event headers."""
     headers = {
         ":event-type": "PayloadPart",
         ":content-type": "application/octet-stream",
         ":message-type": "event",
     }
+    if data_type is not None:
+        headers["DataType"] = data_type
+    if completion_state is not None:
+        headers["CompletionState"] = completion_state
     return encode_message(headers, data)
 
 

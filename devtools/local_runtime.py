@@ -7,13 +7,17 @@ It lets the UNMODIFIED boto3 ``sagemaker-runtime`` client talk to a container ru
     client = boto3.client("sagemaker-runtime", endpoint_url="http://127.0.0.1:8081", region_name="us-east-1",
                           aws_access_key_id="test", aws_secret_access_key="test")
 
-It implements the two operations of botocore's ``sagemaker-runtime`` service model (rest-json protocol):
+It implements the two operations of botocore's ``sagemaker-runtime`` service model (rest-json protocol), and the
+bidirectional stream boto3 cannot call (``local_bidi``):
 
 * ``InvokeEndpoint`` -- ``POST /endpoints/{EndpointName}/invocations``, forwarded to ``{container}/invocations``.
 * ``InvokeEndpointWithResponseStream`` -- ``POST /endpoints/{EndpointName}/invocations-response-stream``,
   forwarded to ``{container}/invocations`` and relayed as ``application/vnd.amazon.eventstream``: every read
   from the container socket becomes one ``PayloadPart`` event (optionally cut to ``--max-part-bytes``), so
   part boundaries do not follow JSON lines -- as with the real service.
+* ``InvokeEndpointWithBidirectionalStream`` -- ``POST /endpoints/{EndpointName}/invocations-bidirectional-stream``,
+  a WebSocket to the container's ``/invocations-bidirectional-stream``, its frames and the request's and answer's
+  ``PayloadPart`` events mapped as SageMaker maps them (``devtools.local_bidi``).
 
 Error mapping (what a boto3 user sees):
 
@@ -69,11 +73,12 @@ from typing import BinaryIO
 import requests
 import urllib3
 
-from devtools import eventstream
+from devtools import eventstream, local_bidi
 
 LOG = logging.getLogger("devtools.local_runtime")
 
-_ROUTE = re.compile(r"^/endpoints/(?P<name>[^/]+)/(?P<op>invocations|invocations-response-stream)$")
+_ROUTE = re.compile(r"^/endpoints/(?P<name>[^/]+)/"
+                    r"(?P<op>invocations|invocations-response-stream|invocations-bidirectional-stream)$")
 _MAX_MESSAGE_CHARS = 2048  # the service model's ``Message`` shape has max 2048
 _READ_SIZE = 64 * 1024
 _CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
@@ -320,6 +325,9 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
         """Route by path; a ServiceError becomes the service's error answer."""
         match = _ROUTE.match(urllib.parse.urlsplit(self.path).path)
         try:
+            if match is not None and match["op"] == "invocations-bidirectional-stream":
+                self._invoke_bidirectional(urllib.parse.unquote(match["name"]))  # its body streams both ways
+                return
             body = self._read_body()
             if match is None:
                 raise simple_error(404, "UnknownOperationException", f"No operation at POST {self.path}")
@@ -401,6 +409,25 @@ class RuntimeRequestHandler(BaseHTTPRequestHandler):
             headers["Transfer-Encoding"] = "chunked"
             self._send_head(200, headers)
             self._relay_events(response)
+
+    def _invoke_bidirectional(self, endpoint: str) -> None:
+        """``InvokeEndpointWithBidirectionalStream``: a WebSocket to the container, bridged both ways
+        (``local_bidi``)."""
+        config = self.server.config
+        url = local_bidi.container_url(config.container_url, self.headers)
+        try:
+            conn, frames = local_bidi.open_container(url, config.connect_timeout)
+        except local_bidi.InvalidStatus as exc:
+            text = exc.response.body.decode("utf-8", errors="replace") if exc.response.body else str(exc)
+            raise model_error(config, endpoint, exc.response.status_code, text) from exc
+        except (OSError, TimeoutError, local_bidi.InvalidHandshake) as exc:
+            raise simple_error(503, "ServiceUnavailable", f"Container at {url} is not reachable: {exc}") from exc
+        self.close_connection = True  # the request body is the stream's: nothing follows it on this connection
+        headers = {"x-amzn-RequestId": str(uuid.uuid4()), "x-Amzn-Invoked-Production-Variant": self._variant(),
+                   "Content-Type": "application/vnd.amazon.eventstream", "Transfer-Encoding": "chunked"}
+        self._send_head(200, headers)
+        local_bidi.bridge(self.rfile, conn, frames, self._write_chunk)
+        self.wfile.write(b"0\r\n\r\n")
 
     def _relay_events(self, response: requests.Response) -> None:
         """Write each container read as PayloadPart events; a failure as one ModelStreamError event."""

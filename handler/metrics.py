@@ -8,11 +8,21 @@ in the workers only (the master's part, which touches no metric, is in ``__main_
 
 The engine knows nothing of Prometheus: it reports an ``EngineStats`` after its steps, and ``record_step`` turns
 that into the gauges and the batch-size histogram. Request-level figures come from the server's ``RequestRecord``.
+
+Beside them, the names routers and autoscalers read (the Gateway API inference extension and llm-d, AIBrix, KEDA
+recipes, AIPerf): vLLM's ``vllm:*`` metrics, with vLLM's types, units, buckets and ``model_name`` label, filled from
+the same figures on every backend (README, "Metrics", has the table). Several workers are merged as the ``llm_*``
+ones are, except ``vllm:kv_cache_usage_perc``: each worker has its own KV cache, so it is computed when scraped, as
+the blocks all workers' running sequences hold over all their blocks. ``orca_header`` answers a request that asks for
+an ORCA load report (``endpoint-load-metrics-format``) as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,6 +33,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from handler.engine.backend import EngineStats
 
@@ -93,6 +104,102 @@ ENGINE_PATH = Gauge("llm_engine_path_info", "1 for the engine path serving the m
                     ["path", "reason"], multiprocess_mode="livemax")
 
 
+# ---- vLLM's names (vllm/v1/metrics/loggers.py, vLLM 0.32; its buckets: vllm/v1/metrics/buckets.py) -------------
+_VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                         480.0, 960.0, 1920.0, 7680.0)
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+_MODEL = ["model_name"]
+KV_USAGE_NAME = "vllm:kv_cache_usage_perc"
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", _MODEL,
+                     multiprocess_mode="livesum")
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", _MODEL,
+                     multiprocess_mode="livesum")
+# what vllm:kv_cache_usage_perc is computed from at scrape time (each worker's own cache, summed)
+KV_BLOCKS_USED_NAME, KV_BLOCKS_NAME = "llm_kv_cache_used_blocks", "llm_kv_cache_blocks"
+KV_BLOCKS_USED = Gauge(KV_BLOCKS_USED_NAME, "KV-cache blocks (vllm:cache_config_info's block_size tokens) "
+                       "that running sequences hold.", multiprocess_mode="livesum")
+KV_BLOCKS = Gauge(KV_BLOCKS_NAME, "KV-cache blocks the engines hold in all (an engine that tells no block count "
+                  "counts as one).", multiprocess_mode="livesum")
+VLLM_CACHE_CONFIG = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", ["block_size",
+                          "num_gpu_blocks", "engine"], multiprocess_mode="livemax")
+VLLM_LORA_INFO = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                       ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], multiprocess_mode="livemax")
+VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                              "tokens.", _MODEL)
+VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                           _MODEL)
+VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _MODEL)
+VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", _MODEL)
+VLLM_TTFT = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _MODEL,
+                      buckets=_VLLM_TTFT_BUCKETS)
+VLLM_ITL = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _MODEL,
+                     buckets=_VLLM_ITL_BUCKETS)
+VLLM_E2E = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _MODEL,
+                     buckets=_VLLM_LATENCY_BUCKETS)
+VLLM_QUEUE_TIME = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                            "request.", _MODEL, buckets=_VLLM_LATENCY_BUCKETS)
+# ORCA load reports (vllm/entrypoints/serve/utils/orca_metrics.py): the request header asks, in TEXT or JSON
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+ORCA_HEADER = "endpoint-load-metrics"
+
+
+class _Served:
+    """The model name the ``vllm:*`` metrics carry, and this worker's latest load (for ORCA reports)."""
+
+    model_name = ""
+    kv_cache_usage = 0.0
+    num_waiting = 0
+    lora_labels: tuple[str, str, str] | None = None
+
+
+def set_model_name(name: str) -> None:
+    """The served model's name (``model_name`` on the ``vllm:*`` metrics), before the engine reports; its series are
+    there from now on, at zero, as vLLM's are before any request."""
+    _Served.model_name = name
+    for gauge in (VLLM_RUNNING, VLLM_WAITING):
+        gauge.labels(name).set(0)
+    for series in (VLLM_PREFIX_QUERIES, VLLM_PREFIX_HITS, VLLM_PROMPT_TOKENS, VLLM_GENERATION_TOKENS, VLLM_TTFT,
+                   VLLM_ITL, VLLM_E2E, VLLM_QUEUE_TIME):
+        series.labels(name)
+
+
+def _record_vllm_step(stats: EngineStats) -> None:
+    name = _Served.model_name
+    _Served.kv_cache_usage, _Served.num_waiting = stats.kv_cache_usage, stats.num_waiting
+    VLLM_RUNNING.labels(name).set(stats.num_running)
+    VLLM_WAITING.labels(name).set(stats.num_waiting)
+    blocks = stats.kv_num_blocks or 1  # an engine that tells no block count weighs as one block
+    KV_BLOCKS.set(blocks)
+    KV_BLOCKS_USED.set(stats.kv_cache_usage * blocks)
+    if stats.kv_num_blocks:
+        VLLM_CACHE_CONFIG.labels(str(stats.kv_block_size), str(stats.kv_num_blocks), "0").set(1)
+    if stats.prefix_cache_queries:
+        VLLM_PREFIX_QUERIES.labels(name).inc(stats.prefix_cache_queries)
+        VLLM_PREFIX_HITS.labels(name).inc(stats.prefix_cache_hits)
+        VLLM_PROMPT_TOKENS.labels(name).inc(stats.prefix_cache_queries)
+    if stats.num_sampled:
+        VLLM_GENERATION_TOKENS.labels(name).inc(stats.num_sampled)
+    for seconds in stats.queue_times:
+        VLLM_QUEUE_TIME.labels(name).observe(seconds)
+    if stats.max_loras:  # vLLM sets the current labels to now; the newest is what a reader takes
+        labels = (str(stats.max_loras), ",".join(stats.waiting_adapters), ",".join(stats.running_adapters))
+        VLLM_LORA_INFO.labels(*labels).set(time.time())
+
+
+def orca_header(metrics_format: str) -> str | None:
+    """``endpoint-load-metrics`` for a request's ``endpoint-load-metrics-format`` (``TEXT`` or ``JSON``, any case;
+    None for another): this worker's KV-cache usage and waiting requests, named and written as vLLM writes them."""
+    named = {"kv_cache_usage_perc": float(_Served.kv_cache_usage), "num_requests_waiting": float(_Served.num_waiting)}
+    if metrics_format.lower() == "text":
+        return "TEXT " + ", ".join(f"named_metrics.{key}={value}" for key, value in named.items())
+    if metrics_format.lower() == "json":
+        return "JSON " + json.dumps({"named_metrics": named})
+    return None
+
+
 def record_engine_path(path: str, reason: str) -> None:
     ENGINE_PATH.labels(path=path, reason=reason).set(1)
 
@@ -121,6 +228,7 @@ def record_step(stats: EngineStats) -> None:
         BATCH_SIZE.observe(stats.batch_size)
     if stats.num_sampled:
         ENGINE_TOKENS.inc(stats.num_sampled)
+    _record_vllm_step(stats)
 
 
 def record_request(route: str, schema: str, status: int, duration_s: float) -> None:
@@ -128,10 +236,15 @@ def record_request(route: str, schema: str, status: int, duration_s: float) -> N
     REQUEST_DURATION.labels(route=route, schema=schema).observe(duration_s)
 
 
-def record_generation(ttft_s: float | None, num_prompt_tokens: int, num_generated_tokens: int) -> None:
-    """One request's token figures, once it has ended (``ttft_s`` is None when no token came)."""
+def record_generation(ttft_s: float | None, num_prompt_tokens: int, num_generated_tokens: int,
+                      duration_s: float | None = None) -> None:
+    """One request's token figures, once it has ended (``ttft_s`` is None when no token came; ``duration_s``: from
+    its arrival to its end)."""
     if ttft_s is not None:
         TIME_TO_FIRST_TOKEN.observe(ttft_s)
+        VLLM_TTFT.labels(_Served.model_name).observe(ttft_s)
+    if duration_s is not None:
+        VLLM_E2E.labels(_Served.model_name).observe(duration_s)
     PROMPT_TOKENS.observe(num_prompt_tokens)
     GENERATED_TOKENS.observe(num_generated_tokens)
 
@@ -148,6 +261,7 @@ def record_adapter_event(adapter: str, event: str) -> None:
 
 def record_token_gap(seconds: float) -> None:
     INTER_TOKEN_LATENCY.observe(seconds)
+    VLLM_ITL.labels(_Served.model_name).observe(seconds)
 
 
 def record_rejection() -> None:
@@ -175,12 +289,36 @@ def record_image_rejection(reason: str) -> None:
 
 
 def render() -> bytes:
-    """The text exposition of every worker's metrics (multiprocess mode) or of this process's."""
-    if not os.environ.get(MULTIPROC_ENV):
-        return generate_latest(REGISTRY)
-    from prometheus_client import multiprocess
+    """The text exposition of every worker's metrics (multiprocess mode) or of this process's, with
+    ``vllm:kv_cache_usage_perc`` computed from them all."""
+    source = REGISTRY
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+        source = multiprocess.MultiProcessCollector(None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_WithKvUsage(source))
     return generate_latest(registry)
+
+
+class _WithKvUsage:
+    """A collector: what ``source`` collects, and ``vllm:kv_cache_usage_perc`` (by model name) as the blocks all
+    workers' running sequences hold over all their blocks (0 while no engine has reported blocks)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.source.collect())
+        yield from families
+        yield kv_usage_family(families, _Served.model_name)
+
+
+def kv_usage_family(families: Iterable[Metric], model_name: str) -> GaugeMetricFamily:
+    totals = {family.name: sum(sample.value for sample in family.samples) for family in families
+              if family.name in (KV_BLOCKS_NAME, KV_BLOCKS_USED_NAME)}
+    blocks, used = totals.get(KV_BLOCKS_NAME, 0.0), totals.get(KV_BLOCKS_USED_NAME, 0.0)
+    family = GaugeMetricFamily(KV_USAGE_NAME, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
+    family.add_metric([model_name], used / blocks if blocks else 0.0)
+    return family
 

@@ -143,7 +143,7 @@ def finish(record: RequestRecord, status: int) -> None:
     now = time.monotonic()
     if record.finish_reasons or record.first_token_at is not None:
         ttft = None if record.first_token_at is None else record.first_token_at - record.started
-        metrics.record_generation(ttft, record.num_prompt_tokens, record.num_completion_tokens)
+        metrics.record_generation(ttft, record.num_prompt_tokens, record.num_completion_tokens, now - record.started)
         if record.adapter is not None:
             metrics.record_adapter_request(record.adapter, record.num_completion_tokens)
     metrics.record_request(record.route, record.schema, status, now - record.started)  # last: "it is all in"

@@ -4,10 +4,11 @@
 The hooks: before a request, its ``Call`` (headers, body reader, request record, the client's connection); after
 it, the response is tagged (``X-Request-Id``: the completion's id once a request reached the engine, a fresh one
 for requests refused before; ``extra-parameters-ignored``: body fields the ``extra-parameters`` policy dropped;
-``X-Request-Timeout`` on an answer the deadline cut; under ``option.async_inference`` a stream gathered into one
-body with a ``Content-Length``, which asynchronous endpoints require), and once it has been sent the request is
-logged and counted (``request_log``). Errors no endpoint answered (no such route, a method a route does not take)
-are written in the shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
+``X-Request-Timeout`` on an answer the deadline cut; ``endpoint-load-metrics``, an ORCA load report, when the request
+asks with ``endpoint-load-metrics-format``; under ``option.async_inference`` a stream gathered into one body with a
+``Content-Length``, which asynchronous endpoints require), and once it has been sent the request is logged and
+counted (``request_log``). Errors no endpoint answered (no such route, a method a route does not take) are written
+in the shape of their path: OpenAI's on ``/v1/*``, the legacy one elsewhere.
 
 A new API is one module in ``handler/endpoints/`` and its lines in ``route_table`` (and, when ``/invocations``
 should take its bodies, a name in ``sniff_schema`` and its entry in ``apis``).
@@ -25,10 +26,11 @@ from urllib.parse import quote
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import MethodNotAllowed
 
-from handler import request_log
+from handler import metrics, request_log
 from handler.djl.routes import UserInvocations
 from handler.endpoints.adapters import Adapters
 from handler.endpoints.base import Call, FrontDoor, error_response, serving_error_of
+from handler.endpoints.bidirectional import BidirectionalStream
 from handler.endpoints.body import read_body
 from handler.endpoints.chat import Chat
 from handler.endpoints.completions import Completions
@@ -41,6 +43,7 @@ from handler.endpoints.responses import Responses
 from handler.endpoints.sessions import Sessions
 from handler.endpoints.tokenizer import Tokenizer
 from handler.errors import ErrorShape
+from handler.process.handover import take_socket
 from handler.protocol.common import new_request_id
 from handler.service import ModelService
 
@@ -54,6 +57,7 @@ class Route(NamedTuple):
     method: str
     rule: str
     answer: Callable[..., Response]  # an endpoint's route function: (call, **the rule's variables)
+    websocket: bool = False          # the rule takes WebSocket upgrades only (and plain requests never)
 
 
 def route_table(door: FrontDoor) -> list[Route]:
@@ -65,7 +69,12 @@ def route_table(door: FrontDoor) -> list[Route]:
                                           "session": sessions.serve})
     if door.service.user_handler is not None:  # a user's model.py answers /invocations, and may call ours
         invocations = UserInvocations(door, builtin=invocations)
+    # a WebSocket's messages are requests to one of these routes (SageMaker's Model-Invocation-Path picks which)
+    streams = BidirectionalStream(door, routes={"/invocations": invocations.post, "/v1/chat/completions": chat.post,
+                                                "/v1/completions": completions.post, "/v1/responses": responses.post,
+                                                "/v1/embeddings": embeddings.post})
     return [
+        *(Route("GET", path, streams.connect, websocket=True) for path in streams.paths),
         Route("GET", "/ping", health.ping),
         Route("GET", "/metrics", health.metrics),
         Route("POST", "/invocations", invocations.post),
@@ -94,8 +103,9 @@ def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: 
     request_log.configure_logging(service.settings.log_level)
     door = FrontDoor(service, is_draining)
     for route in route_table(door):
-        app.add_url_rule(route.rule, endpoint=f"{route.method} {route.rule}", view_func=_with_call(route.answer),
-                         methods=[route.method])
+        name = f"{'WEBSOCKET' if route.websocket else route.method} {route.rule}"
+        app.add_url_rule(route.rule, endpoint=name, view_func=_with_call(route.answer), methods=[route.method],
+                         websocket=route.websocket)
     app.before_request(lambda: open_call(service.settings.max_request_size))
     app.after_request(lambda response: close_call(response, door))
     app.register_error_handler(Exception, unanswered_error)
@@ -112,10 +122,11 @@ def _with_call(answer: Callable[..., Response]) -> Callable[..., Response]:
 # ---- hooks ------------------------------------------------------------------------------------------------------
 def open_call(max_body_bytes: int) -> None:
     route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    environ = request.environ
     g.call = Call(request.headers, lambda: read_body(request, max_body_bytes),
                   request_log.start(new_request_id("req"), route),
-                  request.environ.get("gunicorn.socket"),  # the socket is absent under a test client
-                  query=request.args.to_dict())
+                  environ.get("gunicorn.socket"),  # the socket is absent under a test client
+                  query=request.args.to_dict(), take_socket=lambda: take_socket(environ))
 
 
 def close_call(response: Response, door: FrontDoor) -> Response:
@@ -130,6 +141,10 @@ def close_call(response: Response, door: FrontDoor) -> Response:
         response.headers[IGNORED_HEADER] = ",".join(quote(name, safe="._-[]") for name in record.ignored_fields)
     if record is not None and record.cut_by_deadline:  # a non-streaming answer the deadline cut (request_log)
         response.headers[TIMEOUT_HEADER] = f"{door.service.settings.request_timeout:g}"
+    load_format = call.headers.get(metrics.ORCA_FORMAT_HEADER) if call is not None else None
+    load_report = metrics.orca_header(load_format) if load_format else None
+    if load_report is not None:  # an ORCA load report, asked for as vLLM's routers ask
+        response.headers[metrics.ORCA_HEADER] = load_report
     for key in call.watch_keys if call is not None else ():
         response.call_on_close(lambda key=key: door.watcher.unwatch(key))
     if record is not None and record.route not in UNLOGGED_ROUTES:

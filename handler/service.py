@@ -122,6 +122,7 @@ class ModelService:
                  on_load_failed: Callable[[str], None] = lambda reason: None) -> None:
         self.settings = settings
         self.model_name = settings.served_model_name or settings.model_dir.name
+        metrics.set_model_name(self.model_name)
         self.renderer: PromptRenderer | None = None
         self.engine_path: str | None = None  # "lean" or "transformers" once loaded
         self._num_threads = num_threads

@@ -29,6 +29,7 @@ from typing import ClassVar
 from flask import Response, current_app
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 from werkzeug.exceptions import NotFound as NoRoute
+from werkzeug.routing import WebsocketMismatch
 
 from handler import metrics
 from handler.endpoints.body import parse_json, too_large
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 class Call:
     """One request as an endpoint serves it: its headers, how to read its body, its record (the request log's line)
     and the client's connection. ``server``'s hooks make one per HTTP request; ``builtin_handle`` makes one for a
-    user's handler, with no connection to watch."""
+    user's handler, with no connection to watch; a WebSocket makes one per message, watched by its own close."""
 
     headers: Mapping[str, str]                  # case-insensitive names (werkzeug's Headers)
     read_body: Callable[[], bytes]              # the body under the server's limits (``body``)
@@ -71,6 +72,11 @@ class Call:
     watch_keys: list[int] = field(default_factory=list)   # the watcher's keys, let go when the response closes
     parsed_properties: RequestProperties | None = None
     query: Mapping[str, str] = field(default_factory=dict)  # the query string's arguments (the first of each name)
+    # hands the connection over for good (a WebSocket's upgrade: ``process.handover``); None: none to take
+    take_socket: Callable[[], socket.socket | None] | None = None
+    # how a request learns that its client left, where the connection watches itself (a WebSocket's close): it
+    # takes the cancel to call; None: the disconnect watcher watches ``socket``
+    on_client_gone: Callable[[Callable[[], None]], None] | None = None
 
     def json(self) -> dict:
         return parse_json(self.read_body())
@@ -196,15 +202,16 @@ class Endpoint:
     def _watch(self, call: Call, handle) -> None:
         """Cancel ``handle`` as soon as the client's connection closes (not only when a write fails); the request
         log says why. A request of several generations (a legacy batch) shares one watch of its socket."""
-        if call.socket is None:
-            return
         record = call.record
 
         def on_close() -> None:
             record.client_closed = True
             handle.cancel()
 
-        call.watch_keys.append(self.door.watcher.watch(call.socket, on_close))
+        if call.on_client_gone is not None:
+            call.on_client_gone(on_close)
+        elif call.socket is not None:
+            call.watch_keys.append(self.door.watcher.watch(call.socket, on_close))
 
     def submit_all(self, call: Call, generations: list[GenerationRequest]) -> list[ObservedHandle]:
         """Each request submitted; when one is refused, those already queued are cancelled."""
@@ -261,6 +268,10 @@ def serving_error_of(error: Exception, method: str = "", path: str = "") -> Serv
         return too_large(current_app.config.get("MAX_CONTENT_LENGTH"))
     if isinstance(error, NoRoute):
         return NotFound(f"{method} {path}: no such route", code="not_found")
+    if isinstance(error, WebsocketMismatch):  # a plain request on a WebSocket's path, or an upgrade on another
+        return BadRequest(f"{method} {path}: a WebSocket (Connection: Upgrade, Upgrade: websocket) opens on "
+                          "/invocations-bidirectional-stream and the routes it may be moved to; other requests "
+                          "are plain HTTP", code="websocket_mismatch")
     if isinstance(error, HTTPException):
         wrapped = ServingError(error.description or error.name)
         if isinstance(error, MethodNotAllowed):

@@ -55,6 +55,14 @@ class EngineStats:
     num_preemptions: int = 0           # sequences preempted for memory since the previous report
     num_draft_tokens: int = 0          # speculative decoding: tokens drafted since the previous report
     num_accepted_tokens: int = 0       # of which the model's own sampling agreed with
+    kv_cache_usage: float = 0.0        # share of the KV capacity running sequences hold, 0 to 1
+    kv_block_size: int = 0             # tokens per KV block (the prefix cache's unit; 0: the backend has none)
+    kv_num_blocks: int = 0             # blocks the KV capacity holds
+    queue_times: tuple[float, ...] = ()      # seconds each request given a batch slot since the previous report
+                                             # waited for it, from the backend's intake
+    max_loras: int = 0                 # adapters one batch may use (option.max_loras; 0: LoRA is off)
+    running_adapters: tuple[str, ...] = ()   # the LoRA adapters of the requests running now
+    waiting_adapters: tuple[str, ...] = ()   # and of those waiting
 
 
 class GenerationHandle(Protocol):

@@ -89,6 +89,12 @@ class RequestScanner:
         return self.request is not None
 
     @property
+    def is_websocket(self) -> bool:
+        """The head asks to open a WebSocket (RFC 6455 section 4.1): its connection is handed over for good."""
+        return self.request is not None and any(name == b"upgrade" and value.strip().lower() == b"websocket"
+                                                for name, value in self.request.headers)
+
+    @property
     def method(self) -> bytes:
         return self.request.method if self.request is not None else self._request_line()[0]
 
@@ -216,6 +222,8 @@ class DeadlineConn(gthread.TConn):
         self.path = ""
         self.is_ping = False
         self.active_at = 0.0  # time.monotonic() of its last activity while the event loop reads it
+        self.is_websocket = False   # an upgrade: its pool thread keeps the connection until it closes
+        self.taken = False          # the app took the socket over (``take_socket``): the worker only forgets it
 
     def timeout_error(self) -> ReadTimeout:
         return ReadTimeout(f"the request was not received within {self.read_timeout_s:g} s "
@@ -330,6 +338,7 @@ class RequestReader:
         conn.pending, conn.scanner = bytes(scanner.buffer), None
         conn.path = scanner.path
         conn.is_ping = scanner.method == b"GET" and conn.path == "/ping"
+        conn.is_websocket = scanner.is_websocket
         conn.data_ready = True  # gthread must not wait for data: it is all here
         self.worker.enqueue_req(conn)
 

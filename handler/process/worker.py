@@ -18,6 +18,10 @@ gunicorn's own errors in our shapes. So pool threads run only requests that have
   buffer budget) is bounded by the same deadline, each ``recv`` getting what is left of it;
 - ``GET /ping`` runs on a pool of its own (``PING_THREADS``), so it is answered even while every request thread is
   busy (generations, image fetches);
+- a WebSocket upgrade (it has no body, so it is whole at once) runs on a pool of its own too, one thread per open
+  WebSocket for its whole life, as many as the worker has connections: it is accepted at once whatever the
+  request threads are doing, and WebSockets never take a request thread. The app takes its socket over
+  (``take_socket``); the worker writes nothing more on it and forgets it once its thread returns;
 - open connections per worker are capped by gunicorn's ``worker_connections`` (``option.max_connections``). At the
   cap a new connection still gets in (a health check, fresh work): it takes the place of the connection that has
   been quiet longest among those not being served (still sending its request, lingering after an error answer, or
@@ -31,7 +35,8 @@ gunicorn's own errors in our shapes. So pool threads run only requests that have
   OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on ``/v1/*``, the legacy ``{"error",
   "error_type", "param", "code"}`` elsewhere. A client's mistake is logged in one line, without a traceback.
 
-May import: ``handler.process.request_reader`` and gunicorn (the master loads this module: nothing of the app).
+May import: ``handler.process.request_reader``, ``handover`` and gunicorn (the master loads this module: nothing
+of the app).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from gunicorn.http import errors as http_errors
 from gunicorn.workers import gthread
 
 from handler.process.answers import ReadTimeout, describe, error_response
+from handler.process.handover import SocketTaken, handing_over_sockets
 from handler.process.request_reader import (
     DEFAULT_BODY_BYTES,
     FD_RESERVE,
@@ -76,6 +82,7 @@ class DeadlineWorker(gthread.ThreadWorker):
         super().__init__(*args, **kwargs)
         self.reader = RequestReader(self, ScanLimits())
         self.ping_pool: futures.ThreadPoolExecutor | None = None
+        self.socket_pool: futures.ThreadPoolExecutor | None = None  # WebSockets, each for its connection's life
         self.current = threading.local()          # the path of the request a pool thread is serving
         self._accept_warned = 0.0
         self.connection_cap = self.worker_connections
@@ -91,6 +98,8 @@ class DeadlineWorker(gthread.ThreadWorker):
         # gthread stops accepting at worker_connections: one more, so that it accepts at the cap (accept makes room)
         self.connection_cap = self.worker_connections
         self.worker_connections = self.connection_cap + 1
+        self.socket_pool = futures.ThreadPoolExecutor(max_workers=self.connection_cap,
+                                                      thread_name_prefix="websocket")
         super().init_process()
 
     def _fit_connections_to_file_limit(self) -> None:
@@ -117,8 +126,9 @@ class DeadlineWorker(gthread.ThreadWorker):
             super().run()
         finally:
             self.reader.drop_all()
-            if self.ping_pool is not None:
-                self.ping_pool.shutdown(wait=False)
+            for pool in (self.ping_pool, self.socket_pool):
+                if pool is not None:
+                    pool.shutdown(wait=False)
 
     # ---- event loop: accept; what arrives is the reader's; what a pool thread finished ------------------------
     def accept(self, listener) -> None:
@@ -166,7 +176,11 @@ class DeadlineWorker(gthread.ThreadWorker):
         self.num_made_room += 1
 
     def enqueue_req(self, conn: DeadlineConn) -> None:
-        pool = self.ping_pool if getattr(conn, "is_ping", False) and self.ping_pool is not None else self.tpool
+        pool = self.tpool
+        if getattr(conn, "is_ping", False) and self.ping_pool is not None:
+            pool = self.ping_pool
+        elif getattr(conn, "is_websocket", False) and self.socket_pool is not None:
+            pool = self.socket_pool
         future = pool.submit(self.handle, conn)
         future.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
 
@@ -190,6 +204,9 @@ class DeadlineWorker(gthread.ThreadWorker):
         """A pool thread is done with a request: keep the connection for the next one, or close it."""
         if not isinstance(conn, DeadlineConn):
             return super().finish_request(conn, fs)
+        if conn.taken:  # the app owned the socket and has closed it
+            self.reader.drop(conn)
+            return
         try:
             keep = fs.result() if not fs.cancelled() else False
         except Exception:
@@ -224,7 +241,7 @@ class DeadlineWorker(gthread.ThreadWorker):
     # ---- pool threads ---------------------------------------------------------------------------------------------
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        self.wsgi = closing_after_broken_bodies(self.wsgi)
+        self.wsgi = handing_over_sockets(closing_after_broken_bodies(self.wsgi))
 
     def handle(self, conn: DeadlineConn):
         """gthread's ``handle`` for an HTTP/1.1 connection whose request the event loop gathered."""
@@ -239,6 +256,8 @@ class DeadlineWorker(gthread.ThreadWorker):
             if not req:
                 return False
             return self._keepalive_after(conn, self.handle_request(req, conn))
+        except SocketTaken:  # a WebSocket's connection, closed by its owner
+            conn.taken = True
         except ReadTimeout as error:  # the head was still arriving (a request handed over before it was whole)
             self.handle_error(req, conn.sock, conn.client, error)
         except http_errors.NoMoreData as error:

@@ -255,6 +255,16 @@ def test_server_keeps_only_the_app_the_route_table_and_the_hooks() -> None:
     assert classes == ["Route"], f"server.py defines {classes}: an API's class belongs in handler/endpoints/"
 
 
+def test_the_bidirectional_stream_is_one_endpoint_module_the_worker_only_hands_sockets_to() -> None:
+    """SageMaker's bidirectional stream (a WebSocket) is one module in handler/endpoints/ and its lines in the route
+    table; the worker's part is to hand the upgrade's socket over (``process.handover``), so the WebSocket library
+    is that module's alone."""
+    users = sorted(m for m, targets in MODULES.items() if any(t.split(".")[0] == "websockets" for t in targets))
+    assert users == [f"{ENDPOINTS}.bidirectional"], users
+    assert f"{ENDPOINTS}.bidirectional" in MODULES["handler.server"]
+    assert not any(t.startswith(ENDPOINTS) for t in MODULES["handler.process.handover"])
+
+
 def test_the_endpoint_rule_fails_on_one_endpoint_importing_another() -> None:
     """The check itself: chat importing the legacy endpoint breaks it."""
     edges = EDGES[f"{ENDPOINTS}.chat"] | {f"{ENDPOINTS}.legacy"}

@@ -385,3 +385,19 @@ def test_chunks_deep_in_a_long_prompt_are_shorter_by_their_attention_cost() -> N
         fake_run(plan)
     assert lengths[0] > 300 and lengths[-2] < 80  # early chunks near the budget, late ones a fraction of it
     assert sum(lengths) == 8000
+
+
+def test_each_admitted_request_reports_how_long_it_waited_from_its_intake() -> None:
+    """``vllm:request_queue_time_seconds``: one wait per request, when it gets its slot (not while it waits)."""
+    scheduler = Scheduler(max_running=1, max_step_tokens=512)
+    first, second = request(4, name="r0"), request(4, name="r1")
+    second.queued_at -= 5.0  # it came in 5 s ago
+    for state in (second, first):
+        scheduler.add(state)
+    scheduler.schedule()
+    [waited] = scheduler.queue_times
+    assert 5.0 <= waited < 60  # the second is still waiting: not counted
+    scheduler.queue_times.clear()
+    scheduler.remove(scheduler.running[0])
+    scheduler.schedule()
+    assert len(scheduler.queue_times) == 1

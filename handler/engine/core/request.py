@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -222,6 +223,7 @@ class RequestState:
     # steps in which newer work was admitted or prefilled while this request got nothing (the scheduler's bound on
     # how long a better priority can pass it)
     passed: int = 0
+    queued_at: float = field(default_factory=time.monotonic)  # the backend's intake: its queue time counts from here
     beams: object | None = None        # core.beam.BeamSearch, once a beam request's beams have forked
     choices_ended: bool = False        # a beam request sent its choices' final events (its beams are no choices)
 

@@ -227,6 +227,8 @@ class Engine:
                 log.exception("model load failed")
             self._on_failed(self.load_error)
             return
+        loop.mark_reported()  # the warm-up is not traffic
+        self._report(0)       # the gauges, at zero, and the KV cache's size are there before any request
         self._on_ready()
         self._ready.set()
         idle_since: float | None = time.monotonic()

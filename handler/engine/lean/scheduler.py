@@ -30,6 +30,7 @@ of the queue here; the engine ends them.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Scheduler:
         self.preempted: list[Sequence] = []  # to resume, oldest first
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.queue_times: list[float] = []  # seconds each request admitted since the last stats waited (``stats``)
         self._arrivals = itertools.count()
 
     @property
@@ -197,6 +199,7 @@ class Scheduler:
             self.preempted.remove(sequence)
         else:
             self.waiting.remove(item)
+            self.queue_times.append(time.monotonic() - item.queued_at)
         self.running.append(sequence)
         return sequence
 

@@ -24,6 +24,7 @@ from handler.engine.lean.beams import BeamSteps
 from handler.engine.lean.scheduler import Scheduler
 from handler.engine.lean.speculate import Speculation, Speculator
 from handler.engine.runners.base import Runner, StepOutput, StepPlan
+from handler.engine.runners.kv_space import PREFIX_BLOCK
 from handler.engine.types import (
     ErrorKind,
     FinishReason,
@@ -351,26 +352,40 @@ class StepLoop:
 
     def stats(self, batch_size: int, num_queued: int) -> EngineStats:
         """``num_queued``: requests submitted but not yet taken into the scheduler."""
-        runner, space = self.runner, self.scheduler.space
+        runner, space, scheduler = self.runner, self.scheduler.space, self.scheduler
         queries, hits = getattr(runner, "num_prefix_queries", 0), getattr(runner, "num_prefix_hits", 0)
-        preemptions = self.scheduler.num_preemptions
+        token_bytes, budget = getattr(space, "bytes_per_token", 0), getattr(space, "budget", 0)
+        used = token_bytes * scheduler.num_cached_tokens
+        running = scheduler.running_requests()
+        store = getattr(runner, "adapters", None)
         stats = EngineStats(
-            num_running=len(self.scheduler.running_requests()),
-            num_waiting=self.scheduler.num_waiting + num_queued,
+            num_running=len(running),
+            num_waiting=scheduler.num_waiting + num_queued,
             batch_size=batch_size, num_sampled=self.num_sampled,
-            kv_cache_used_bytes=getattr(space, "bytes_per_token", 0) * self.scheduler.num_cached_tokens,
-            kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
-            kv_cache_budget_bytes=getattr(space, "budget", 0),
+            kv_cache_used_bytes=used, kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
+            kv_cache_budget_bytes=budget,
             prefix_cache_queries=queries - self.reported[0], prefix_cache_hits=hits - self.reported[1],
-            num_preemptions=preemptions - self.reported[2],
+            num_preemptions=scheduler.num_preemptions - self.reported[2],
             num_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
-            num_accepted_tokens=self.speculator.num_accepted if self.speculator else 0)
+            num_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,
+            kv_cache_usage=min(1.0, used / budget) if budget else 0.0,
+            kv_block_size=PREFIX_BLOCK if budget else 0,
+            kv_num_blocks=budget // (token_bytes * PREFIX_BLOCK) if budget and token_bytes else 0,
+            queue_times=tuple(scheduler.queue_times),
+            max_loras=store.max_loaded if store is not None else 0,
+            running_adapters=_adapters(running), waiting_adapters=_adapters(scheduler.waiting))
         return stats
 
     def mark_reported(self) -> None:
         """The stats so far went to the listener: the next report counts from here."""
         self.num_sampled = 0
+        self.scheduler.queue_times.clear()
         if self.speculator is not None:
             self.speculator.num_drafted = self.speculator.num_accepted = 0
         self.reported = (getattr(self.runner, "num_prefix_queries", 0), getattr(self.runner, "num_prefix_hits", 0),
                          self.scheduler.num_preemptions)
+
+
+def _adapters(states) -> tuple[str, ...]:
+    """The LoRA adapters ``states`` generate with, each once, in order."""
+    return tuple(dict.fromkeys(s.request.adapter for s in states if s.request.adapter is not None))

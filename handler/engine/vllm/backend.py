@@ -39,10 +39,11 @@ from handler.engine.types import (
     FinishReason,
     GenerationRequest,
 )
-from handler.engine.vllm.adapters import VllmAdapters
+from handler.engine.vllm.adapters import BASE_NAME, VllmAdapters
 from handler.engine.vllm.args import check_backend
 from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
+from handler.engine.vllm.stats import SchedulerFigures, stat_logger
 from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class VllmBackend:
         self._embeds_only = False      # an encoder on vLLM's pooling runner
         self._ids = itertools.count()
         self._adapters: VllmAdapters | None = None  # option.enable_lora (``set_adapters``)
+        self._figures = SchedulerFigures()          # vLLM's scheduler figures (KV and prefix cache, adapters)
+        self._queue_times: list[float] = []         # seconds each request given a slot since the last report waited
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -232,7 +235,7 @@ class VllmBackend:
             from vllm.config import PoolerConfig
 
             kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[stat_logger(self._figures)])
         self._vocab_size = self._engine.model_config.get_vocab_size()
         self._choices = ChoiceRunner(self._engine, self._vocab, self.limits, self._forget)
         self._beams = BeamRunner(self._engine, self._vocab, self._vocab_size, self.limits, self._forget)
@@ -271,6 +274,8 @@ class VllmBackend:
             if free < state.num_sequences:
                 return
             free -= state.num_sequences
+            if not state.has_slot:
+                self._queue_times.append(time.monotonic() - state.queued_at)
             state.has_slot = True
 
     def _forget(self, state: RequestState) -> None:
@@ -343,14 +348,23 @@ class VllmBackend:
         if self._on_stats is None:
             return
         running = [s for s in self._live if s.has_slot]
+        figures = self._figures
         stats = EngineStats(num_running=len(running), num_waiting=len(self._live) - len(running),
                             batch_size=sum(s.num_sequences if s.request.beam is not None and not s.choices_ended
                                            else sum(q.finish_reason is None for q in s.sequences) for s in running),
                             num_sampled=self._choices.num_sampled + self._beams.num_sampled,
-                            kv_cache_used_bytes=0, kv_cache_allocated_bytes=0)
+                            kv_cache_used_bytes=0, kv_cache_allocated_bytes=0,
+                            prefix_cache_queries=figures.prefix_queries, prefix_cache_hits=figures.prefix_hits,
+                            kv_cache_usage=figures.kv_cache_usage, kv_block_size=figures.block_size,
+                            kv_num_blocks=figures.num_blocks, queue_times=tuple(self._queue_times),
+                            max_loras=max(0, figures.max_loras - 1),  # one slot is the base requests' (adapters)
+                            running_adapters=tuple(a for a in figures.running_adapters if a != BASE_NAME),
+                            waiting_adapters=tuple(a for a in figures.waiting_adapters if a != BASE_NAME))
         if stats.num_sampled == 0 and stats == self._last_stats:
             return
         self._choices.num_sampled = self._beams.num_sampled = 0
+        figures.take_prefix_counts()
+        self._queue_times.clear()
         self._last_stats = stats
         try:
             self._on_stats(stats)
