@@ -40,16 +40,17 @@ class Drain:
         """WSGI middleware: a request counts until its response iterable is closed (streams included)."""
 
         def counted(environ: dict, start_response: Callable) -> Iterable[bytes]:
-            self._add(1)
+            self.count(1)
             try:
-                return _ClosingIterable(app(environ, start_response), lambda: self._add(-1))
+                return _ClosingIterable(app(environ, start_response), lambda: self.count(-1))
             except BaseException:
-                self._add(-1)
+                self.count(-1)
                 raise
 
         return counted
 
-    def _add(self, delta: int) -> None:
+    def count(self, delta: int) -> None:
+        """Work in flight besides requests (a background response) starts (+1) or ends (-1)."""
         with self._lock:
             self._in_flight += delta
 
