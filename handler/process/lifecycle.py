@@ -24,7 +24,8 @@ FLUSH_S = 2.0  # after the grace period: time for ended streams to write their f
 
 
 class Drain:
-    """Counts requests in flight (a WSGI middleware) and runs the SIGTERM sequence."""
+    """Counts requests in flight (a WSGI middleware) and other work the server does for its clients (background
+    responses, through ``count``), and runs the SIGTERM sequence."""
 
     def __init__(self, grace_s: float, stop_engine: Callable[[str | None], None] = lambda reason: None,
                  grace_over_message: str = "the server is stopping") -> None:
