@@ -6,7 +6,7 @@ path's (``previous_response_id``) exactly. The template renders reasoning within
 conversation is one: the model (``tests/agent_model.py``) reasons, calls ``exec_command``, and answers its output.
 
 Settings as shipped except ``option.model_id`` (the agent model, not the embedded one). Also run against vLLM by
-``tests/vllm/test_contract.py`` (the model's heads are 32 wide, as vLLM's CPU attention needs).
+``tests/vllm/test_contract.py`` (the model's heads are 64 wide, as vLLM's CPU attention needs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from tests.e2e.conftest import RunningServer, start_server, stop_server
 EXEC = {"type": "function", "name": "exec_command", "description": "Run a shell command", "strict": False,
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
 TASK = "Say hi from the shell."
-AGENT_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+# heads 64 wide: vLLM's CPU attention has no kernel for heads under 32 (as tests/vllm/test_reasoning.py's model)
+AGENT_SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096}
 
 
