@@ -152,7 +152,7 @@ class Responses(Endpoint):
         if self.store.responses.capacity == 0:
             raise BadRequest("background responses are kept in the store, and this server stores none "
                              "(option.responses_store_size=0)", param="background")
-        record = request_log.start(generation.request_id, call.record.route)
+        record = request_log.start(generation.request_id, f"{call.record.route} (background)")  # its own log line
         record.schema, record.is_stream = self.schema, parsed.stream
         handle = self.submit(call, generation, detached=record)  # 429 here, before anything is stored
         queued = response_object(ctx, "queued", [])
