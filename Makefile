@@ -5,7 +5,8 @@ MODEL := model_store/smollm2-135m-instruct
 PORT ?= 8080
 VARIANT ?= cpu
 
-.PHONY: help serve test test-unit test-e2e venv model bench soak soak-ci fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp
+.PHONY: help serve test test-unit test-e2e venv model bench soak soak-ci fmt lint clean image image-test serve-vllm test-vllm venv-vllm llama-cpp \
+	codex test-agents
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## /  \1\t/' | expand -t 16
@@ -59,6 +60,18 @@ serve-vllm: venv-vllm model  ## serve the embedded model through vLLM on :8080 (
 
 test-vllm: venv-vllm model  ## the contract tests against the vLLM backend, through the real server
 	$(VPY) -m pytest tests/vllm -q
+
+# Codex CLI (@openai/codex, pinned) for tests/e2e/test_codex.py, in a cache outside the clone (CODEX_DIR): installed by
+# `make codex` or `make test-agents` only (node and npm needed); `make test` skips the test (it runs where CODEX_BIN
+# names the binary), as it skips tests/vllm without vLLM.
+CODEX_VERSION := 0.169.0
+CODEX_DIR ?= $(HOME)/.cache/sagemaker-llm/codex
+
+codex:
+	CODEX_DIR=$(CODEX_DIR) CODEX_VERSION=$(CODEX_VERSION) bash ci/install_codex.sh
+
+test-agents: venv model codex  ## Codex CLI against the server (installs Codex into CODEX_DIR on first use)
+	CODEX_BIN=$(CODEX_DIR)/node_modules/.bin/codex $(PY) -m pytest tests/e2e/test_codex.py -q
 
 image:  ## build the serving image with podman (VARIANT=cuda: the GPU image with vLLM; as root)
 	VARIANT=$(VARIANT) bash ci/image.sh

@@ -95,6 +95,21 @@ def prepare_sessions_dir(settings: Settings) -> tuple[Settings, Path | None]:
     return settings.model_copy(update={"sessions_path": str(path)}), path
 
 
+def prepare_responses_store(settings: Settings) -> tuple[Settings, Path | None]:
+    """The folder the workers share stored responses and conversations in, and the key they seal reasoning with (made
+    now, before the fork, unless option.responses_store_dir / option.responses_encryption_key name them); returns the
+    folder when it made a temporary one."""
+    from handler.store.sealing import new_key
+
+    update, made = {}, None
+    if not settings.responses_store_dir:
+        made = Path(tempfile.mkdtemp(prefix="llm-responses-"))
+        update["responses_store_dir"] = str(made)
+    if not settings.responses_encryption_key:
+        update["responses_encryption_key"] = new_key()
+    return settings.model_copy(update=update), made
+
+
 def worker_exited(server, worker) -> None:
     """gunicorn's ``child_exit`` hook (in the master): a dead worker's live gauges stop counting."""
     from prometheus_client import multiprocess  # the variable is set by now, so the mode is right
@@ -180,7 +195,7 @@ def build_worker_app(settings: Settings, num_threads: int, grace_s: float):
     drain = Drain(grace_s, service.engine.stop, STOPPED_MESSAGE)
     drain.install()  # after gunicorn's own handlers, which it chains to
     service.start()
-    app = create_app(service, drain.draining.is_set)
+    app = create_app(service, drain.draining.is_set, drain.count)  # background responses count as in flight
     app.wsgi_app = drain.wrap(app.wsgi_app)
     return app
 
@@ -204,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     made_dir, master_pid = prepare_metrics_dir(os.environ), os.getpid()  # before gunicorn forks any worker
     settings, registry_dir = prepare_adapter_registry(settings)
     settings, sessions_dir = prepare_sessions_dir(settings)
+    settings, store_dir = prepare_responses_store(settings)
     try:
         run_server(settings, gunicorn_options(settings))
     finally:  # a worker's SystemExit comes through here too: only the master removes the folders
-        for made in (made_dir, registry_dir, sessions_dir):
+        for made in (made_dir, registry_dir, sessions_dir, store_dir):
             if made is not None and os.getpid() == master_pid:
                 shutil.rmtree(made, ignore_errors=True)
     return 0

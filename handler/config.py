@@ -14,6 +14,7 @@ model, else the embedded default in ``model_store/``.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import math
 import os
@@ -155,9 +156,15 @@ class Settings(BaseModel):
     extra_parameters: Literal["error", "ignore", "pass-through"] = "error"
     # legacy schema, non-streaming, string input: lmi = one object (LMI), tgi = a one-element list (TGI, HF LLM DLC)
     legacy_response: Literal["lmi", "tgi"] = "lmi"
-    # Responses API: how many stored responses (store: true) each worker keeps for previous_response_id and
-    # GET /v1/responses/{id}, the least recently used forgotten first; 0 stores none
+    # Responses API: how many stored responses (store: true) the server keeps for previous_response_id and
+    # GET /v1/responses/{id}, and how many conversations (/v1/conversations), each the least recently used forgotten
+    # first; 0 stores none. Kept in a file the workers share (handler/store): responses_store_dir, unset a temporary
+    # folder the server makes at start (only the workers of one server may share one)
     responses_store_size: int = Field(1000, ge=0)
+    responses_store_dir: str | None = None
+    # the keys reasoning items' encrypted_content is sealed with (Fernet keys, comma-separated: the first seals, each
+    # opens; README: Responses API says what rotating means); unset: one generated at start, shared by the workers
+    responses_encryption_key: str | None = Field(None, repr=False)
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.
     max_queue_size: int = Field(64, ge=1)
@@ -252,6 +259,26 @@ class Settings(BaseModel):
         if value != "max" and value < 1:
             raise ValueError("must be max or an integer >= 1")
         return value
+
+    @field_validator("responses_encryption_key")
+    @classmethod
+    def _fernet_keys(cls, value: str | None) -> str | None:
+        """Each key urlsafe base64 of 32 bytes (``cryptography.fernet.Fernet.generate_key()``'s form)."""
+        if value is None:
+            return value
+        keys = [key.strip() for key in value.split(",") if key.strip()]
+        for index, key in enumerate(keys):
+            try:
+                raw = base64.urlsafe_b64decode(key.encode("ascii"))
+            except (ValueError, UnicodeEncodeError):
+                raw = b""
+            if len(raw) != 32:
+                raise ValueError(f"key {index + 1} is not a Fernet key (urlsafe base64 of 32 bytes; make one with: "
+                                 "python -c 'from cryptography.fernet import Fernet; "
+                                 "print(Fernet.generate_key().decode())')")
+        if not keys:
+            raise ValueError("names no key")
+        return ",".join(keys)
 
     @field_validator("kv_cache_memory")
     @classmethod

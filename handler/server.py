@@ -34,6 +34,7 @@ from handler.endpoints.bidirectional import BidirectionalStream
 from handler.endpoints.body import read_body
 from handler.endpoints.chat import Chat
 from handler.endpoints.completions import Completions
+from handler.endpoints.conversations import Conversations
 from handler.endpoints.embeddings import Embeddings
 from handler.endpoints.health import Health
 from handler.endpoints.invocations import Invocations
@@ -63,7 +64,7 @@ class Route(NamedTuple):
 def route_table(door: FrontDoor) -> list[Route]:
     chat, completions, legacy = Chat(door), Completions(door), Legacy(door)
     responses, embeddings, models, tokenizer = Responses(door), Embeddings(door), Models(door), Tokenizer(door)
-    adapters, health, sessions = Adapters(door), Health(door), Sessions(door)
+    adapters, health, sessions, conversations = Adapters(door), Health(door), Sessions(door), Conversations(door)
     invocations = Invocations(door, apis={"chat": chat.serve, "legacy": legacy.serve, "completions": completions.serve,
                                           "embeddings": embeddings.serve, "responses": responses.serve,
                                           "session": sessions.serve})
@@ -84,6 +85,16 @@ def route_table(door: FrontDoor) -> list[Route]:
         Route("POST", "/v1/responses", responses.post),
         Route("GET", "/v1/responses/<response_id>", responses.get),
         Route("DELETE", "/v1/responses/<response_id>", responses.delete),
+        Route("POST", "/v1/responses/<response_id>/cancel", responses.cancel),
+        Route("GET", "/v1/responses/<response_id>/input_items", responses.input_items),
+        Route("POST", "/v1/conversations", conversations.create),
+        Route("GET", "/v1/conversations/<conversation_id>", conversations.get),
+        Route("POST", "/v1/conversations/<conversation_id>", conversations.update),
+        Route("DELETE", "/v1/conversations/<conversation_id>", conversations.delete),
+        Route("GET", "/v1/conversations/<conversation_id>/items", conversations.list_items),
+        Route("POST", "/v1/conversations/<conversation_id>/items", conversations.add_items),
+        Route("GET", "/v1/conversations/<conversation_id>/items/<item_id>", conversations.get_item),
+        Route("DELETE", "/v1/conversations/<conversation_id>/items/<item_id>", conversations.delete_item),
         Route("GET", "/v1/models", models.list_all),
         Route("GET", "/v1/models/<path:model_id>", models.get),
         Route("POST", "/generate", legacy.generate),
@@ -97,11 +108,13 @@ def route_table(door: FrontDoor) -> list[Route]:
     ]
 
 
-def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False) -> Flask:
+def create_app(service: ModelService, is_draining: Callable[[], bool] = lambda: False,
+               count_work: Callable[[int], None] = lambda delta: None) -> Flask:
+    """The app; ``count_work`` tells the SIGTERM drain of work in flight besides requests (background responses)."""
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = service.settings.max_request_size
     request_log.configure_logging(service.settings.log_level)
-    door = FrontDoor(service, is_draining)
+    door = FrontDoor(service, is_draining, count_work)
     for route in route_table(door):
         name = f"{'WEBSOCKET' if route.websocket else route.method} {route.rule}"
         app.add_url_rule(route.rule, endpoint=name, view_func=_with_call(route.answer), methods=[route.method],

@@ -33,8 +33,6 @@ def raw_completion(url: str, timeout: float) -> dict:
 
 def build_thinking_llama(path: Path, **overrides) -> Path:
     """The chain model in ``path``; ``overrides`` are config fields over ``build_tiny``'s tiny defaults (sizes)."""
-    import torch
-    from safetensors.torch import load_file, save_file
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
@@ -48,18 +46,31 @@ def build_thinking_llama(path: Path, **overrides) -> Path:
     (path / "chat_template.jinja").write_text(TEMPLATE.read_text())
 
     chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer.encode(TRANSCRIPT), tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain), "a token-only model can follow a chain of distinct tokens only"
+    return write_chains(path, [chain])
+
+
+def write_chains(path: Path, chains: list[list[int]]) -> Path:
+    """Make the checkpoint in ``path`` a token-only model that walks each chain: attention and MLP outputs zeroed,
+    the embedding of each token a random unit direction and the output row of the token after it that direction
+    times 5 (summed where chains share their last token, EOS). A token may have one successor only: no token but
+    the last of each chain may appear twice among them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    walked = [token for chain in chains for token in chain[:-1]]
+    assert len(set(walked)) == len(walked), "a token-only model can follow a chain of distinct tokens only"
     tensors = load_file(path / "model.safetensors")
     for name, value in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensors[name] = torch.zeros_like(value)
     head = torch.zeros_like(tensors["lm_head.weight"])
     generator = torch.Generator().manual_seed(0)
-    for current, following in zip(chain, chain[1:], strict=False):
-        direction = torch.randn(head.shape[1], generator=generator)
-        direction /= direction.norm()
-        tensors["model.embed_tokens.weight"][current] = direction
-        head[following] = 5.0 * direction
+    for chain in chains:
+        for current, following in zip(chain, chain[1:], strict=False):
+            direction = torch.randn(head.shape[1], generator=generator)
+            direction /= direction.norm()
+            tensors["model.embed_tokens.weight"][current] = direction
+            head[following] += 5.0 * direction
     tensors["lm_head.weight"] = head
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path

@@ -10,8 +10,8 @@ ends with one error record in that shape instead). A generation route is four mo
 (a formatter with its context, answered by ``json_response`` or ``stream_response``).
 
 May import: the layers below the endpoints (errors, the engine's interface, metrics, process, parsing, prompt,
-protocol, formatting, service, request_log, adapter_registry, sessions). Every endpoint module imports this module and
-``body``, and never another endpoint.
+protocol, formatting, service, request_log, adapter_registry, sessions, store). Every endpoint module imports this
+module and ``body``, and never another endpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from handler.protocol.sessions import SESSION_ID_HEADER, SESSIONS_DISABLED
 from handler.request_log import ObservedHandle, RequestRecord
 from handler.service import ModelService
 from handler.sessions import SessionStore
+from handler.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +93,25 @@ class Call:
 
 class FrontDoor:
     """What the endpoints of one worker share: the model service, whether the server is draining, the thread that
-    watches clients' connections, and when the server started (``/v1/models``' ``created``)."""
+    watches clients' connections, when the server started (``/v1/models``' ``created``), and the store of what
+    outlives a request (stored responses, background runs, conversations; opened on first use)."""
 
-    def __init__(self, service: ModelService, is_draining: Callable[[], bool]) -> None:
+    def __init__(self, service: ModelService, is_draining: Callable[[], bool],
+                 count_work: Callable[[int], None] = lambda delta: None) -> None:
         self.service = service
         self.is_draining = is_draining
         self.watcher = DisconnectWatcher()  # cancels the generation of a client that closed its connection
         self.started = int(time.time())
+        self._count_work = count_work
+        self._store: Store | None = None
+        self._store_lock = threading.Lock()
+
+    @property
+    def store(self) -> Store:
+        with self._store_lock:  # one per worker: its background runs are known by the one that started them
+            if self._store is None:
+                self._store = open_store(self.service.settings, self._count_work)
+            return self._store
 
 
 def arrival() -> float:
@@ -178,9 +192,12 @@ class Endpoint:
         session = self.sessions(SESSION_ID_HEADER).get(session_id).ref() if session_id else None
         return dataclasses.replace(generation, priority=priority, session=session)
 
-    def submit(self, call: Call, generation: GenerationRequest) -> ObservedHandle:
+    def submit(self, call: Call, generation: GenerationRequest,
+               detached: RequestRecord | None = None) -> ObservedHandle:
         """Queue one request with the engine (429 past the wait queue's bound), watched: a client that closes its
-        connection cancels it. The request's headers add its priority and session first (``with_call``)."""
+        connection cancels it. The request's headers add its priority and session first (``with_call``).
+        ``detached``: a generation that outlives its request (a background response), read into a record of its own
+        and not watched."""
         generation = self.with_call(call, generation)
         store = self.service.adapters if generation.adapter is not None else None
         if store is not None:
@@ -193,11 +210,12 @@ class Endpoint:
         finally:
             self.record_adapter_events()
         call.record.adapter = generation.adapter
-        self._watch(call, handle)
+        if detached is None:
+            self._watch(call, handle)
         if not call.record.has_engine_id:  # a legacy batch is known by its first prompt's id
             call.record.request_id = generation.request_id
             call.record.has_engine_id = True
-        return ObservedHandle(handle, call.record)
+        return ObservedHandle(handle, detached or call.record)
 
     def _watch(self, call: Call, handle) -> None:
         """Cancel ``handle`` as soon as the client's connection closes (not only when a write fails); the request

@@ -12,17 +12,25 @@ With a reasoning model (``ResponsesContext.reasoning_parser``, as on chat) the t
 (``parsing.reasoning``): the reasoning becomes a ``reasoning`` item before the answer (one ``reasoning_text``
 part, streamed as ``reasoning_text.delta``), the answer the message, harmony's commentary calls function calls;
 ``output_tokens_details.reasoning_tokens`` counts the tokens generated while the reasoning was open.
+
+What a request includes: ``seal`` (``include: ["reasoning.encrypted_content"]``) gives each finished reasoning item
+its text sealed as ``encrypted_content``; ``want_logprobs`` (``message.output_text.logprobs``) gives the message's
+``output_text`` the logprobs of the answer's tokens (those generated after the reasoning), each delta those of the
+tokens since the previous one. A call to a namespaced function (``namespaced``: offered name -> namespace and own
+name) comes back under its own name with its ``namespace``. A background response (``queued``) is created ``queued``
+and is ``in_progress`` from its first token.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import EngineError, ServingError
-from handler.formatting.chat import split_choice
+from handler.formatting.chat import split_choice, token_logprob
 from handler.formatting.context import FormatContext, failure, fold
 from handler.parsing import reasoning
 from handler.parsing.dialects import ToolCall
@@ -36,6 +44,11 @@ class ResponsesContext(FormatContext):
     tool_calls_only: bool = False        # a forced call, so no content (a call cut by max_output_tokens is dropped)
     reasoning_parser: str | None = None  # split reasoning into a reasoning item (parsing.reasoning)
     reasoning_opened: bool = False       # the prompt opened the reasoning: the output starts inside it
+    want_logprobs: bool = False          # include message.output_text.logprobs
+    seal: Callable[[str], str] | None = None   # include reasoning.encrypted_content: seals a reasoning item's text
+    namespaced: dict = field(default_factory=dict)  # offered function name -> (namespace, its own name)
+    queued: bool = False                 # a background response: created queued, in progress from its first token
+
 
 def new_item_id(prefix: str) -> str:
     """OpenAI's id style: ``msg_…``, ``fc_…``, ``resp_…``."""
@@ -46,6 +59,7 @@ def response_object(ctx: ResponsesContext, status: str, output: list[dict], usag
                     incomplete: bool = False, error: dict | None = None) -> dict:
     """The ``response`` object; the request's own fields come from ``ctx.echo``."""
     return {"id": ctx.request_id, "object": "response", "created_at": ctx.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "model": ctx.model, "output": output, "usage": usage, **ctx.echo}
 
@@ -58,12 +72,12 @@ def response_usage(final: TokenEvent, reasoning_tokens: int = 0) -> dict:
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [text_part(text)]
+def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
+    content = [] if text is None else [text_part(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -71,15 +85,40 @@ def reasoning_part(text: str) -> dict:
     return {"type": "reasoning_text", "text": text}
 
 
-def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+def reasoning_item(item_id: str, text: str | None, status: str, ctx: ResponsesContext | None = None) -> dict:
+    """A reasoning item; finished (``ctx`` given), with its text sealed when the request included it. No summary
+    is written: ``summary`` is empty, as OpenAI's schema allows."""
     content = [] if text is None else [reasoning_part(text)]
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    item = {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    if ctx is not None and ctx.seal is not None and text is not None:
+        item["encrypted_content"] = ctx.seal(text)
+    return item
 
 
-def call_item(item_id: str, call: ToolCall, arguments: str | None = None) -> dict:
-    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
+def call_item(item_id: str, call: ToolCall, ctx: ResponsesContext, arguments: str | None = None) -> dict:
+    """A function call item, under the function's own name and its namespace when it is a namespaced one."""
+    namespace, name = ctx.namespaced.get(call.name, (None, call.name))
+    item = {"id": item_id, "type": "function_call", "call_id": call.id, "name": name,
             "arguments": call.arguments if arguments is None else arguments,
             "status": "completed" if arguments is None else "in_progress"}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def answer_logprobs(events: Iterable[TokenEvent], ctx: ResponsesContext) -> list[dict]:
+    """The logprobs of the answer's tokens: every token after the reasoning (all of them without a reasoning
+    model), special tokens left out."""
+    splitter = reasoning.splitter(ctx.reasoning_parser, ctx.reasoning_opened) if ctx.reasoning_parser else None
+    entries = []
+    for event in events:
+        reasoned = splitter is not None and splitter.in_reasoning
+        if splitter is not None:
+            splitter.push(event.text)
+            reasoned = reasoned or splitter.in_reasoning  # the token that opened it (<think>) is reasoning's too
+        if not reasoned and event.token_id is not None and not event.is_special:
+            entries.append(token_logprob(event, ctx))
+    return entries
 
 
 def response(events: Iterable[TokenEvent], ctx: ResponsesContext) -> dict:
@@ -93,13 +132,15 @@ def response(events: Iterable[TokenEvent], ctx: ResponsesContext) -> dict:
         content, calls, reasoning_tokens = split.content, list(split.calls), split.num_reasoning_tokens
         if split.reasoning:
             cut = incomplete and split.in_reasoning
-            output.append(reasoning_item(new_item_id("rs"), split.reasoning, "incomplete" if cut else "completed"))
+            output.append(reasoning_item(new_item_id("rs"), split.reasoning, "incomplete" if cut else "completed",
+                                         ctx))
     if ctx.tool_format is not None:
         parsed = parse_tool_calls(content, ctx.tool_format, calls_only=ctx.tool_calls_only)
         content, calls = parsed.content, calls + parsed.calls
     if content or not (calls or output):
-        output.append(message_item(new_item_id("msg"), content or "", status))
-    output += [call_item(new_item_id("fc"), call) for call in calls]
+        logprobs = answer_logprobs(choice.events, ctx) if ctx.want_logprobs else None
+        output.append(message_item(new_item_id("msg"), content or "", status, logprobs))
+    output += [call_item(new_item_id("fc"), call, ctx) for call in calls]
     return response_object(ctx, status, output, response_usage(choice.finish, reasoning_tokens), incomplete)
 
 
@@ -118,6 +159,8 @@ class ResponseEvents:
             if ctx.reasoning_parser else None
         self._reasoning: dict | None = None  # the open reasoning item, while its text streams
         self._num_reasoning_tokens = 0
+        self._pending_logprobs: list[dict] = []   # the answer's tokens since the last text delta
+        self._message_logprobs: list[dict] = []   # the open message's tokens
 
     def _event(self, kind: str, **fields) -> dict:
         record = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -125,9 +168,15 @@ class ResponseEvents:
         return record
 
     def events(self, token_events: Iterable[TokenEvent]) -> Iterator[dict]:
-        yield self._event("response.created", response=response_object(self.ctx, "in_progress", []))
-        yield self._event("response.in_progress", response=response_object(self.ctx, "in_progress", []))
+        queued = self.ctx.queued
+        yield self._event("response.created", response=response_object(self.ctx, "queued" if queued else
+                                                                       "in_progress", []))
+        if not queued:
+            yield self._event("response.in_progress", response=response_object(self.ctx, "in_progress", []))
         for event in token_events:
+            if queued:  # its first token: the engine took it
+                queued = False
+                yield self._event("response.in_progress", response=response_object(self.ctx, "in_progress", []))
             error = failure(event)
             if error is not None:
                 yield self.error_event(error)
@@ -149,10 +198,18 @@ class ResponseEvents:
     def _pieces(self, event: TokenEvent) -> list[reasoning.Piece]:
         """The event's text, split into reasoning and answer when the model reasons."""
         if self._splitter is None:
+            self._note_logprob(event, reasoned=False)
             return [reasoning.Piece(reasoning.CONTENT, event.text)]
-        self._num_reasoning_tokens += self._splitter.in_reasoning and event.token_id is not None
+        reasoned = self._splitter.in_reasoning
+        self._num_reasoning_tokens += reasoned and event.token_id is not None
         pieces = self._splitter.push(event.text)
+        self._note_logprob(event, reasoned=reasoned or self._splitter.in_reasoning)
         return pieces + (self._splitter.finish() if event.finish_reason is not None else [])
+
+    def _note_logprob(self, event: TokenEvent, *, reasoned: bool) -> None:
+        """An answer token's logprob, for the next text delta (``answer_logprobs``' rule)."""
+        if self.ctx.want_logprobs and not reasoned and event.token_id is not None and not event.is_special:
+            self._pending_logprobs.append(token_logprob(event, self.ctx))
 
     def _content(self, text: str, *, is_last: bool) -> Iterator[dict]:
         for delta in self._deltas(text, is_last=is_last):
@@ -192,18 +249,22 @@ class ResponseEvents:
         if self._message is None:
             yield from self._open_message()
         self._message["content"][0]["text"] += text
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
+        self._message_logprobs += logprobs
         yield self._event("response.output_text.delta", output_index=len(self._output),
-                          item_id=self._message["id"], content_index=0, delta=text, logprobs=[])
+                          item_id=self._message["id"], content_index=0, delta=text, logprobs=logprobs)
 
     def _close_message(self, status: str) -> Iterator[dict]:
         if self._message is None:
             return
         item, index, text = self._message, len(self._output), self._message["content"][0]["text"]
+        logprobs = self._message_logprobs + self._pending_logprobs  # with tokens whose text was held back
+        self._message_logprobs, self._pending_logprobs = [], []
         yield self._event("response.output_text.done", output_index=index, item_id=item["id"], content_index=0,
-                          text=text, logprobs=[])
+                          text=text, logprobs=logprobs)
         yield self._event("response.content_part.done", output_index=index, item_id=item["id"], content_index=0,
-                          part=text_part(text))
-        item = message_item(item["id"], text, status)
+                          part=text_part(text, logprobs))
+        item = message_item(item["id"], text, status, logprobs)
         yield self._event("response.output_item.done", output_index=index, item=item)
         self._output.append(item)
         self._message = None
@@ -231,19 +292,20 @@ class ResponseEvents:
                           text=text)
         yield self._event("response.content_part.done", output_index=index, item_id=item_id, content_index=0,
                           part=reasoning_part(text))
-        item = reasoning_item(item_id, text, status)
+        item = reasoning_item(item_id, text, status, self.ctx)
         yield self._event("response.output_item.done", output_index=index, item=item)
         self._output.append(item)
         self._reasoning = None
 
     def _call(self, call: ToolCall) -> Iterator[dict]:
         item_id, index = new_item_id("fc"), len(self._output)
-        yield self._event("response.output_item.added", output_index=index, item=call_item(item_id, call, ""))
+        yield self._event("response.output_item.added", output_index=index,
+                          item=call_item(item_id, call, self.ctx, ""))
         yield self._event("response.function_call_arguments.delta", output_index=index, item_id=item_id,
                           delta=call.arguments)
         yield self._event("response.function_call_arguments.done", output_index=index, item_id=item_id,
                           arguments=call.arguments)
-        item = call_item(item_id, call)
+        item = call_item(item_id, call, self.ctx)
         yield self._event("response.output_item.done", output_index=index, item=item)
         self._output.append(item)
 
@@ -254,6 +316,12 @@ class ResponseEvents:
         code = "rate_limit_exceeded" if error.status_code == 429 else "server_error"
         failed = response_object(self.ctx, "failed", self._output, error={"code": code, "message": error.message})
         return self._event("response.failed", response=failed)
+
+
+def error_event(error: ServingError, after: int) -> dict:
+    """OpenAI's ``error`` stream event: a replayed stream that failed outside its response's own events."""
+    return {"type": "error", "sequence_number": after + 1, "code": "server_error", "message": error.message,
+            "param": None}
 
 
 def deleted(response_id: str) -> dict:

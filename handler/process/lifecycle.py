@@ -24,7 +24,8 @@ FLUSH_S = 2.0  # after the grace period: time for ended streams to write their f
 
 
 class Drain:
-    """Counts requests in flight (a WSGI middleware) and runs the SIGTERM sequence."""
+    """Counts requests in flight (a WSGI middleware) and other work the server does for its clients (background
+    responses, through ``count``), and runs the SIGTERM sequence."""
 
     def __init__(self, grace_s: float, stop_engine: Callable[[str | None], None] = lambda reason: None,
                  grace_over_message: str = "the server is stopping") -> None:
@@ -40,16 +41,17 @@ class Drain:
         """WSGI middleware: a request counts until its response iterable is closed (streams included)."""
 
         def counted(environ: dict, start_response: Callable) -> Iterable[bytes]:
-            self._add(1)
+            self.count(1)
             try:
-                return _ClosingIterable(app(environ, start_response), lambda: self._add(-1))
+                return _ClosingIterable(app(environ, start_response), lambda: self.count(-1))
             except BaseException:
-                self._add(-1)
+                self.count(-1)
                 raise
 
         return counted
 
-    def _add(self, delta: int) -> None:
+    def count(self, delta: int) -> None:
+        """Work in flight besides requests (a background response) starts (+1) or ends (-1)."""
         with self._lock:
             self._in_flight += delta
 

@@ -58,6 +58,9 @@ class PromptRenderer:
         self.has_chat_template = bool(template)
         self.tool_format = dialects.detect_format(template, None if tool_format == "auto" else tool_format)
         self._template_renders_tools = template_renders_tools(template)
+        # OpenAI's developer role is the system role for models that have no developer role of their own (gpt-oss's
+        # harmony has one): a template that never names it would render it as an unknown role, or drop it (Qwen3's)
+        self._knows_developer = "developer" in str(template or "")
         # gpt-oss's template writes each tool as "// " + description, and fails on a tool without one
         self._template_needs_descriptions = reasoning.detect_parser(
             template if isinstance(template, str) else None, "auto") == "gpt_oss"
@@ -158,6 +161,8 @@ class PromptRenderer:
             raise Unprocessable("this model has no chat template; send the legacy {\"inputs\": ...} schema instead",
                                 param="messages")
         extra = dict(template_kwargs or {})  # chat_template_kwargs (enable_thinking, ...), reasoning_effort
+        if not self._knows_developer:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         if self._template_renders_tools:
             messages = [_with_call_arguments(message) for message in messages]
             if tools:

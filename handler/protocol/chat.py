@@ -103,6 +103,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, as this server's answers spell it (vLLM takes both names): given to the template,
+    # which renders it where it renders earlier reasoning (Qwen3's reasoning_content, gpt-oss's thinking)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -270,6 +274,9 @@ def _template_message(message: ChatMessage, index: int, images: list[ImageRef]) 
     for key in ("name", "tool_call_id"):
         if getattr(message, key) is not None:
             rendered[key] = getattr(message, key)
+    thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thinking is not None and message.role == "assistant":
+        rendered["reasoning_content"] = rendered["thinking"] = thinking
     return rendered
 
 

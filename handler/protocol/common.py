@@ -46,6 +46,9 @@ def parse_model(model: type[Model], body: object, prefix: str = "") -> Model:
     except ValidationError as error:
         first = max(error.errors(), key=lambda e: len(e["loc"]))  # the most specific of a union's attempts
         field = prefix + field_path(first["loc"])
+        discriminator = str(first.get("ctx", {}).get("discriminator", ""))
+        if first["type"] == "union_tag_invalid" and discriminator.startswith("'"):  # a tag no member takes: name
+            field += "." + discriminator.strip("'")                                   # its field (tools[4].type)
         if first["type"] == "extra_forbidden":
             raise BadRequest(f"unknown field '{field}': this server does not support it", param=field) from None
         raise BadRequest(f"invalid '{field}': {first['msg']}", param=field or None) from None

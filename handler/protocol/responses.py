@@ -3,134 +3,44 @@ chat path already serves (rendering, tools, images, grammars), so a Responses re
 same ``GenerationRequest`` and comes back as the same token events.
 
 Fields copy OpenAI's names (the openai SDK's ``types/responses`` are the reference). What this server cannot honour
-is not declared (a 400 naming it, or the ``extra-parameters`` policy) or refused naming the field: hosted tools,
-``file_id`` images, reasoning efforts other than low / medium / high, reasoning summaries, background mode.
-``reasoning.effort`` becomes the chat request's ``reasoning_effort``; reasoning items sent back are accepted and
-not rendered again. The conversation a request continues
-(``previous_response_id``) is given to ``conversation`` as the items the server stored; the fields of the chat
-request errors name are translated back (``responses_param``).
+is not declared (a 400 naming it, or the ``extra-parameters`` policy) or refused naming the field: ``file_id``
+images, reasoning efforts other than low / medium / high, ``include`` values other than
+``reasoning.encrypted_content`` and ``message.output_text.logprobs``, a forced tool the model is not offered.
+``reasoning.effort`` becomes the chat request's ``reasoning_effort``; ``reasoning.summary`` is accepted (no summary
+is written: a reasoning item's ``summary`` is empty). Items and tools are ``response_items``' and
+``response_tools``'. The conversation a request answers (stored turns, then its own input) is given to ``to_chat``
+as items, each with the field it came from, so the fields of the chat request errors name are translated back
+(``responses_param``); ``fitted`` drops the oldest items when ``truncation: "auto"`` asks and the prompt would not
+fit the context.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from handler.errors import BadRequest, ServingError
-from handler.protocol.chat import ChatCompletionRequest
+from handler.protocol.chat import ChatCompletionRequest, PreparedChat
 from handler.protocol.common import parse_model
+from handler.protocol.response_items import InputItem, ReasoningText, chat_messages, kept_item, plain_reasoning
+from handler.protocol.response_tools import (
+    Tool,
+    ToolChoice,
+    ToolSet,
+    chat_tool_choice,
+    offered_tools,
+)
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
-_ITEM_STATUS = Literal["in_progress", "completed", "incomplete"]
 EFFORTS = ("low", "medium", "high")  # reasoning.effort levels served: the chat request's reasoning_effort
-
-
-class InputText(BaseModel):
-    model_config = _STRICT
-    type: Literal["input_text"]
-    text: str
-
-
-class InputImage(BaseModel):
-    model_config = _STRICT
-    type: Literal["input_image"]
-    image_url: str | None = None
-    file_id: str | None = None
-    detail: Literal["low", "high", "auto", "original"] = "auto"
-
-
-class OutputText(BaseModel):
-    """An assistant message's text, as this server (or OpenAI) returned it and a client sends it back."""
-
-    model_config = _STRICT
-    type: Literal["output_text"]
-    text: str
-    annotations: list[dict[str, Any]] = Field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None
-
-
-class Refusal(BaseModel):
-    model_config = _STRICT
-    type: Literal["refusal"]
-    refusal: str
-
-
-ContentPart = Annotated[InputText | InputImage | OutputText | Refusal, Field(discriminator="type")]
-
-
-class MessageItem(BaseModel):
-    """A message: OpenAI's easy input message (content a string) or a full one (a list of parts)."""
-
-    model_config = _STRICT
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
-    id: str | None = None
-    status: _ITEM_STATUS | None = None
-    phase: Literal["commentary", "final_answer"] | None = None
-
-
-class FunctionCallItem(BaseModel):
-    model_config = _STRICT
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: _ITEM_STATUS | None = None
-
-
-class FunctionCallOutputItem(BaseModel):
-    model_config = _STRICT
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
-    id: str | None = None
-    status: _ITEM_STATUS | None = None
-
-
-class ReasoningItem(BaseModel):
-    """A reasoning item a client sends back (the openai SDK and the Agents SDK do, continuing a conversation by
-    hand): accepted, and not rendered again: thinking models' templates drop earlier turns' reasoning."""
-
-    model_config = _STRICT
-    type: Literal["reasoning"]
-    id: str | None = None
-    summary: list[dict[str, Any]] = []
-    content: list[dict[str, Any]] | None = None
-    encrypted_content: str | None = None
-    status: _ITEM_STATUS | None = None
-
-
-def _item_type(value: object) -> str:
-    """An item without ``type`` is a message (OpenAI's easy input message)."""
-    found = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return found if isinstance(found, str) else "message"
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
-]
-
-
-class FunctionTool(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolChoiceFunction(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    name: str
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (ENCRYPTED_REASONING, OUTPUT_LOGPROBS)
+Summary = Literal["auto", "concise", "detailed"]
 
 
 class TextFormat(BaseModel):
@@ -153,8 +63,13 @@ class TextConfig(BaseModel):
 class Reasoning(BaseModel):
     model_config = _STRICT
     effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    summary: Summary | None = None
+    generate_summary: Summary | None = None   # the older name of summary
+
+
+class ConversationRef(BaseModel):
+    model_config = _STRICT
+    id: str
 
 
 class ResponsesRequest(BaseModel):
@@ -166,21 +81,26 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool = True
     previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
     stream: bool = False
+    background: bool = False
     reasoning: Reasoning | None = None
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
-    background: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     service_tier: str | None = None
-    prompt_cache_key: str | None = None   # a routing hint for OpenAI's caches; prefix caching here needs none
+    # a key OpenAI routes to its caches by; accepted and repeated (prefix caching here keys blocks by their tokens)
+    prompt_cache_key: str | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's own (its turn and session ids): accepted, not used
+    _tools: ToolSet | None = PrivateAttr(None)
 
     def check(self) -> None:
         """What the field types cannot say, and the parts this server cannot honour (400 naming each)."""
@@ -188,12 +108,14 @@ class ResponsesRequest(BaseModel):
             raise BadRequest(f"reasoning effort {self.reasoning.effort!r} is not served; use one of "
                              f"{', '.join(EFFORTS)} (gpt-oss's levels, given to the chat template)",
                              param="reasoning.effort")
-        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
-            raise BadRequest("reasoning summaries are not supported by this server", param="reasoning.summary")
-        refusals = [(bool(self.include), "include", "include adds output this server does not produce"),
-                    (self.truncation == "auto", "truncation", "truncation 'auto' is not supported; a conversation "
-                     "too long for the context is refused"),
-                    (bool(self.background), "background", "background responses are not supported"),
+        for index, value in enumerate(self.include or ()):
+            if value not in INCLUDABLE:
+                raise BadRequest(f"include {value!r} is not served; this server can include "
+                                 f"{' and '.join(INCLUDABLE)}", param=f"include[{index}]")
+        refusals = [(self.background and not self.store, "background", "a background response is stored: it needs "
+                     "store: true"),
+                    (self.conversation is not None and self.previous_response_id is not None, "conversation",
+                     "give conversation or previous_response_id, not both"),
                     (self.text is not None and self.text.verbosity not in (None, "medium"), "text.verbosity",
                      "verbosity other than 'medium' is not supported")]
         for refused, field, message in refusals:
@@ -201,38 +123,88 @@ class ResponsesRequest(BaseModel):
                 raise BadRequest(message, param=field)
         if self.metadata is not None and len(self.metadata) > 16:
             raise BadRequest(f"metadata has {len(self.metadata)} keys; at most 16 are allowed", param="metadata")
-        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
+        continues = self.previous_response_id is not None or self.conversation is not None
+        if isinstance(self.input, list) and not self.input and not continues:
             raise BadRequest("input is an empty list", param="input")
 
-    def input_items(self) -> list[dict]:
-        """This request's input as items (a string is one user message), as the store keeps them."""
-        if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
-        return [item.model_dump(exclude_none=True, by_alias=True) for item in self.input]
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
-    def to_chat(self, history: list[dict]) -> tuple[ChatCompletionRequest, list[str]]:
-        """The chat request for ``history`` (stored items first, then this request's) and, for each of its
-        messages, the field of this request it came from (for errors)."""
-        messages, fields = [], []
+    @property
+    def seals_reasoning(self) -> bool:
+        return ENCRYPTED_REASONING in (self.include or ())
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    @property
+    def tool_set(self) -> ToolSet:
+        """The tools as the model is offered them (computed once)."""
+        if self._tools is None:
+            self._tools = offered_tools(self.tools or [])
+        return self._tools
+
+    def input_items(self) -> list[dict]:
+        """This request's input as items in the store's form (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [kept_item({"type": "message", "role": "user", "content": self.input})]
+        return [kept_item(item.model_dump(exclude_none=True, by_alias=True)) for item in self.input]
+
+    def to_chat(self, items: list[dict], fields: list[str] | None = None,
+                reasoning: ReasoningText = plain_reasoning) -> tuple[ChatCompletionRequest, list[str]]:
+        """The chat request for the conversation ``items`` (each from the field ``fields[i]``; by default the last
+        ones this request's input, the others stored) and, for each of its messages, the field it came from."""
+        if fields is None:
+            num_own = len(self.input_items())
+            fields = ["previous_response_id"] * (len(items) - num_own) + [f"input[{i}]" for i in range(num_own)]
+        messages, message_fields = chat_messages(items, fields, reasoning)
         if self.instructions:  # OpenAI: a previous response's instructions are not carried over
-            messages.append({"role": "system", "content": self.instructions})
-            fields.append("instructions")
-        first_own = len(history) - len(self.input_items())
-        for index, item in enumerate(history):
-            field = f"input[{index - first_own}]" if index >= first_own else "previous_response_id"
-            _add_item(messages, fields, item, field)
+            messages.insert(0, {"role": "system", "content": self.instructions})
+            message_fields.insert(0, "instructions")
         if not messages:
             raise BadRequest("the conversation is empty: give input", param="input")
+        tools = self.tool_set
         body = {"messages": messages, "model": self.model, "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
                 "parallel_tool_calls": self.parallel_tool_calls, "response_format": self._response_format(),
-                "tools": [_chat_tool(tool) for tool in self.tools] if self.tools else None,
-                "tool_choice": self._tool_choice(), "reasoning_effort": self._effort()}
+                "tools": tools.chat_tools or None, "tool_choice": chat_tool_choice(self.tool_choice, tools),
+                "reasoning_effort": self._effort(), "logprobs": self.wants_logprobs or None,
+                "top_logprobs": self.top_logprobs if self.wants_logprobs else None}
         body = {key: value for key, value in body.items() if value is not None}
         try:
-            return parse_model(ChatCompletionRequest, body), fields
+            return parse_model(ChatCompletionRequest, body), message_fields
         except ServingError as error:
-            raise responses_error(error, fields) from None
+            raise responses_error(error, message_fields, tools.fields) from None
+
+    def fitted(self, items: list[dict], fields: list[str], reasoning: ReasoningText,
+               prepare: Callable[[ChatCompletionRequest, list[str]], PreparedChat],
+               context_len: int) -> tuple[PreparedChat, list[str], int]:
+        """The prepared chat request, its messages' fields, and how many of the oldest items were dropped: with
+        ``truncation: "auto"`` as few as let the prompt fit the context with room for ``max_output_tokens`` (one
+        token when it is not given), as OpenAI drops them; never a function call's output without its call, never
+        the last item (what still does not fit is refused as without truncation)."""
+        def attempt(dropped: int) -> tuple[PreparedChat, list[str], int]:
+            chat, message_fields = self.to_chat(items[dropped:], fields[dropped:], reasoning)
+            return prepare(chat, message_fields), message_fields, dropped
+
+        def fits(prepared: PreparedChat) -> bool:
+            return len(prepared.generation.prompt_ids) + (self.max_output_tokens or 1) <= context_len
+
+        whole = attempt(0)
+        if self.truncation != "auto" or fits(whole[0]):
+            return whole
+        cuts = [k for k in range(1, len(items)) if items[k].get("type") != "function_call_output"]
+        found, low, high = None, 0, len(cuts) - 1
+        while low <= high:  # the fewest dropped that fit: dropping more never makes the prompt longer
+            middle = (low + high) // 2
+            tried = attempt(cuts[middle])
+            if fits(tried[0]):
+                found, high = tried, middle - 1
+            else:
+                low = middle + 1
+        return found or (attempt(cuts[-1]) if cuts else whole)
 
     def _response_format(self) -> dict | None:
         fmt = self.text.format if self.text is not None else None
@@ -248,23 +220,24 @@ class ResponsesRequest(BaseModel):
         effort = self.reasoning.effort if self.reasoning is not None else None
         return effort if effort in EFFORTS else None
 
-    def _tool_choice(self) -> str | dict | None:
-        if isinstance(self.tool_choice, ToolChoiceFunction):
-            return {"type": "function", "function": {"name": self.tool_choice.name}}
-        return self.tool_choice
-
     def echo(self) -> dict:
         """The request fields the response object repeats (OpenAI's defaults where absent)."""
         fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+        summary = self.reasoning.summary or self.reasoning.generate_summary if self.reasoning is not None else None
+        conversation = self.conversation_id
         return {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
-            "previous_response_id": self.previous_response_id, "reasoning": {"effort": self._effort(), "summary": None},
-            "store": self.store, "temperature": self.temperature, "top_p": self.top_p,
+            "previous_response_id": self.previous_response_id,
+            "conversation": {"id": conversation} if conversation is not None else None,
+            "reasoning": {"effort": self._effort(), "summary": summary},
+            "store": self.store, "background": self.background, "temperature": self.temperature,
+            "top_p": self.top_p, "top_logprobs": self.top_logprobs, "prompt_cache_key": self.prompt_cache_key,
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True)},
-            "tool_choice": self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel)
-            else self.tool_choice or "auto",
-            "tools": [tool.model_dump() for tool in self.tools or ()], "truncation": "disabled", "user": self.user,
+            "tool_choice": self.tool_choice.model_dump(exclude_none=True)
+            if isinstance(self.tool_choice, BaseModel) else self.tool_choice or "auto",
+            "tools": [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or ()],
+            "truncation": self.truncation or "disabled", "user": self.user,
         }
 
 
@@ -273,76 +246,33 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def _chat_tool(tool: FunctionTool) -> dict:
-    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters,
-                "strict": tool.strict}
-    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
-
-
-def _add_item(messages: list[dict], fields: list[str], item: dict, field: str) -> None:
-    """One stored or given item as chat messages: consecutive function calls join the assistant turn before them."""
-    kind = item.get("type", "message")
-    if kind == "reasoning":  # a past turn's reasoning: not rendered again (ReasoningItem)
-        return
-    if kind == "function_call":
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}
-        if messages and messages[-1]["role"] == "assistant":  # one turn: its text, then its calls
-            messages[-1].setdefault("tool_calls", []).append(call)
-            return
-        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": _output_text(item["output"], f"{field}.output")})
-    else:
-        messages.append({"role": item["role"], "content": _content(item["content"], field)})
-    fields.append(field)
-
-
-def _content(content: str | list[dict], field: str) -> str | list[dict]:
-    if isinstance(content, str):
-        return content
-    return [_part(part, f"{field}.content[{index}]") for index, part in enumerate(content)]
-
-
-def _part(part: dict, field: str) -> dict:
-    if part["type"] == "input_image":
-        if part.get("image_url") is None:
-            raise BadRequest("images are given by image_url (an http(s) URL or a data URI); file ids are not served",
-                             param=f"{field}.file_id" if part.get("file_id") else f"{field}.image_url")
-        detail = {"original": "high"}.get(part.get("detail", "auto"), part.get("detail", "auto"))
-        return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": detail}}
-    return {"type": "text", "text": part["refusal"] if part["type"] == "refusal" else part["text"]}
-
-
-def _output_text(output: str | list[dict], field: str) -> str:
-    if isinstance(output, str):
-        return output
-    for index, part in enumerate(output):
-        if part["type"] != "input_text":
-            raise BadRequest("a function call's output is text here", param=f"{field}[{index}]")
-    return "".join(part["text"] for part in output)
-
-
 # the chat request's fields, as the Responses request names them
 _RENAMES = (
     (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
     (re.compile(r"^response_format\.json_schema"), "text.format"),
     (re.compile(r"^response_format"), "text.format"),
     (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
-    (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
     (re.compile(r"^tool_choice\.function"), "tool_choice"),
 )
 _MESSAGE = re.compile(r"^messages\[(\d+)\](\.content\[\d+\])?")
 
 
-def responses_param(param: str | None, fields: list[str]) -> str | None:
+_TOOL = re.compile(r"^tools\[(\d+)\](\.function)?")
+
+
+def responses_param(param: str | None, fields: list[str], tool_fields: list[str] | None = None) -> str | None:
     """The Responses field for a field of the chat request it was converted into (``messages[2].content[1]`` ->
-    ``input[1].content[1]``)."""
+    ``input[1].content[1]``; ``tools[1].function.name`` -> ``tools[4].tools[1].name`` for the second tool offered,
+    when ``tool_fields`` says where each offered tool came from)."""
     if param is None:
         return None
     if param == "messages":
         return "input"
+    tool = _TOOL.match(param)
+    if tool is not None:
+        index = int(tool.group(1))
+        field = tool_fields[index] if tool_fields is not None and index < len(tool_fields) else f"tools[{index}]"
+        return field + param[tool.end():]
     match = _MESSAGE.match(param)
     if match is not None and int(match.group(1)) < len(fields):
         field = fields[int(match.group(1))]
@@ -353,9 +283,9 @@ def responses_param(param: str | None, fields: list[str]) -> str | None:
     return param
 
 
-def responses_error(error: ServingError, fields: list[str]) -> ServingError:
+def responses_error(error: ServingError, fields: list[str], tool_fields: list[str] | None = None) -> ServingError:
     """``error`` naming the Responses field instead of the chat field (in its message too)."""
-    renamed = responses_param(error.param, fields)
+    renamed = responses_param(error.param, fields, tool_fields)
     if renamed != error.param and error.param is not None:
         error.message = error.message.replace(error.param, renamed)
         error.args = (error.message,)

@@ -141,7 +141,9 @@ def test_get_and_delete_and_the_404s(sdk: openai.OpenAI, base: str) -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "Hi", "reasoning": {"effort": "minimal"}}, "reasoning.effort"),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "Hi", "tools": [{"type": "web_serch"}]}, "tools[0].type"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice.type"),
+    ({"input": "Hi", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "Hi", "seed": 3}, "seed"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format.schema"),

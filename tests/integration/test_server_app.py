@@ -15,6 +15,7 @@ import pytest
 from handler import server
 from handler.config import DEFAULT_MODEL_DIR, Settings
 from handler.endpoints import base as endpoint_base
+from handler.engine.backend import EngineLimits
 from handler.engine.types import FinishReason, GenerationRequest, TokenEvent, TopLogprob
 from handler.errors import EngineError, NotReady, Overloaded
 from handler.prompt.renderer import PromptRenderer
@@ -63,6 +64,7 @@ def hello_script(request: GenerationRequest) -> list:
 
 class FakeEngine:
     embeds_only = False
+    limits = EngineLimits(max_running=8, max_model_len=8192, max_step_tokens=512)
 
     def __init__(self, script: Callable[[GenerationRequest], list] = hello_script) -> None:
         self.is_ready = True

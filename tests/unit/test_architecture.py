@@ -28,7 +28,8 @@ LAYERS = [
     ("prompt", ["handler.prompt", "handler.images"]),
     ("wire", ["handler.protocol", "handler.formatting"]),
     ("wiring", ["handler.service", "handler.request_log", "handler.djl", "handler.download",
-                "handler.adapter_registry", "handler.sessions"]),
+                "handler.adapter_registry", "handler.sessions",
+                "handler.store"]),
     ("endpoints", ["handler.endpoints"]),
     ("entry", ["handler.__main__", "handler.server", "handler.djl.routes", "handler.assemble_model"]),
 ]

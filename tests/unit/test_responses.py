@@ -1,6 +1,7 @@
 """The Responses API on the wire: the request parser (items -> the chat request, fields errors name), the formatter
 (events -> the response object and typed stream events, each validated against the openai SDK's own pydantic
-models, which clients parse into), the typed SSE framing, the per-worker store, and the /invocations sniffing rule.
+models, which clients parse into), the typed SSE framing, and the /invocations sniffing rule. The shared store, the
+seal and background runs are tests/unit/test_response_store.py's.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from handler.endpoints.invocations import sniff_schema
-from handler.endpoints.responses import ResponseStore, StoredResponse
-from handler.engine.types import FinishReason
+from handler.engine.types import FinishReason, GenerationRequest, TopLogprob
 from handler.errors import BadRequest
 from handler.formatting import legacy
 from handler.formatting import responses as fmt
 from handler.formatting.framing import typed_sse
 from handler.formatting.legacy import LegacyContext
 from handler.formatting.responses import ResponsesContext
+from handler.protocol.chat import PreparedChat
 from handler.protocol.common import ExtraParameters, parse_model, parse_request
+from handler.protocol.conversations import ListQuery
 from handler.protocol.responses import ResponsesRequest, responses_param
-from tests.unit.test_formatting import ctx, ev, hello_events
+from handler.store.sealing import ReasoningSeal, new_key
+from tests.unit.test_formatting import ctx, ev, hello_events, token_text
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -64,7 +67,7 @@ def test_items_become_chat_messages_calls_joining_their_assistant_turn() -> None
         {"role": "user", "content": [{"type": "text", "text": "Look"},
                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA",
                                                                          "detail": "low"}}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Calling"}], "tool_calls": [
+        {"role": "assistant", "content": "Calling", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": "{\"city\":\"Paris\"}"}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
@@ -98,12 +101,15 @@ def test_text_format_and_tool_choice_become_the_chat_fields() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "reasoning": {"effort": "minimal"}}, "reasoning.effort"),
-    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
-    ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "reasoning": {"summary": "short"}}, "reasoning.summary"),
+    ({"input": "x", "include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"input": [{"type": "reasoning_summary"}]}, "input[0]"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "web_serch"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice.type"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1", "detail": "auto"}]}]},
@@ -141,7 +147,10 @@ def test_the_response_repeats_the_request_with_openais_defaults() -> None:
     echo = parse({"input": "x", "metadata": {"k": "v"}, "tools": [WEATHER]}).echo()
     assert echo["tool_choice"] == "auto" and echo["parallel_tool_calls"] is True and echo["store"] is True
     assert echo["text"] == {"format": {"type": "text"}} and echo["metadata"] == {"k": "v"}
-    assert echo["tools"] == [{**WEATHER, "description": None}]
+    assert echo["tools"] == [WEATHER] and echo["truncation"] == "disabled" and echo["background"] is False
+    assert echo["reasoning"] == {"effort": None, "summary": None} and echo["conversation"] is None
+    summary = parse({"input": "x", "reasoning": {"summary": "auto"}, "conversation": "conv_1"}).echo()
+    assert summary["reasoning"]["summary"] == "auto" and summary["conversation"] == {"id": "conv_1"}
 
 
 # ---- /invocations sniffing --------------------------------------------------------------------------------------
@@ -248,26 +257,6 @@ def test_typed_sse_names_each_event_and_sends_no_done() -> None:
     assert frames == b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
 
 
-# ---- the store --------------------------------------------------------------------------------------------------
-
-def stored(response_id: str) -> StoredResponse:
-    return StoredResponse({"id": response_id, "output": [{"type": "message"}]}, ({"role": "user"},))
-
-
-def test_the_store_forgets_the_least_recently_used_first() -> None:
-    store = ResponseStore(2)
-    store.put(stored("a"))
-    store.put(stored("b"))
-    assert store.get("a") is not None  # a is now the most recent
-    store.put(stored("c"))
-    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
-    assert store.get("a").conversation == [{"role": "user"}, {"type": "message"}]
-    assert store.delete("a") and not store.delete("a")
-    empty = ResponseStore(0)
-    empty.put(stored("a"))
-    assert empty.get("a") is None
-
-
 # ---- TGI's spelling of the legacy schema ------------------------------------------------------------------------
 
 def test_tgi_stream_records_count_themselves_and_spell_logprob() -> None:
@@ -332,12 +321,143 @@ def test_a_response_cut_inside_its_reasoning_has_only_the_partial_reasoning() ->
     assert [i["type"] for i in done["response"]["output"]] == ["reasoning"]
 
 
-def test_effort_reaches_the_chat_request_and_reasoning_items_sent_back_are_not_rendered() -> None:
+def test_effort_reaches_the_chat_request_and_reasoning_items_sent_back_open_their_assistant_turn() -> None:
     items = [{"role": "user", "content": "Hi"},
              {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
              {"type": "message", "role": "assistant", "content": "Hello"},
              {"role": "user", "content": "Bye"}]
     chat, fields = chat_of({"input": items, "reasoning": {"effort": "high"}})
-    assert chat["reasoning_effort"] == "high" and fields == ["input[0]", "input[2]", "input[3]"]
+    assert chat["reasoning_effort"] == "high" and fields == ["input[0]", "input[1]", "input[3]"]
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "user"]
+    assert chat["messages"][1]["reasoning_content"] == "x" and chat["messages"][1]["content"] == "Hello"
     assert parse({"input": "x", "reasoning": {"effort": "low"}}).echo()["reasoning"]["effort"] == "low"
+
+
+# ---- what agents send: namespaces, tools this server cannot run, include, truncation ---------------------------
+
+SPAWN = {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent", "strict": False,
+         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}}
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents", "tools": [SPAWN]}
+CODEX_LIKE = {"input": "x", "tools": [WEATHER, NAMESPACE, {"type": "web_search", "external_web_access": True}],
+              "tool_choice": "auto", "parallel_tool_calls": True, "store": False, "prompt_cache_key": "k",
+              "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"},
+              "client_metadata": {"session_id": "s"}}
+
+
+def test_namespaced_functions_are_offered_under_their_namespaced_names_and_hosted_tools_left_out() -> None:
+    request = parse(CODEX_LIKE)
+    chat, _ = chat_of(CODEX_LIKE)
+    assert [tool["function"]["name"] for tool in chat["tools"]] == ["get_weather", "multi_agent_v1__spawn_agent"]
+    assert request.tool_set.left_out == [("tools[2]", "web_search")]
+    assert request.tool_set.namespaced == {"multi_agent_v1__spawn_agent": ("multi_agent_v1", "spawn_agent")}
+    assert request.echo()["tools"][2] == {"type": "web_search", "external_web_access": True}  # repeated as sent
+    assert request.echo()["prompt_cache_key"] == "k"
+
+
+def test_a_namespaced_function_is_forced_by_its_own_name_and_errors_name_where_it_came_from() -> None:
+    chat, _ = chat_of({**CODEX_LIKE, "tool_choice": {"type": "function", "name": "spawn_agent"}})
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "multi_agent_v1__spawn_agent"}}
+    tool_fields = parse({"input": "x", "tools": [{"type": "file_search"}, NAMESPACE]}).tool_set.fields
+    assert responses_param("tools[0].function.name", [], tool_fields) == "tools[1].tools[0].name"
+
+
+def test_a_call_to_a_namespaced_function_comes_back_with_its_namespace_and_renders_as_offered() -> None:
+    offered = {"multi_agent_v1__spawn_agent": ("multi_agent_v1", "spawn_agent")}
+    text = '<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"task": "t"}}\n</tool_call>'
+    events = [ev(0, 5, text), ev(0, 2, "", finish=FinishReason.EOS, prompt=3, generated=2, special=True)]
+    record = fmt.response(events, rctx(tool_format="hermes", namespaced=offered))
+    (call,) = Response.model_validate(record).output
+    assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1")
+    streamed = stream(events, tool_format="hermes", namespaced=offered)[-1]["response"]["output"][0]
+    assert (streamed["name"], streamed["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    sent_back = [{"role": "user", "content": "x"}, call.model_dump(exclude_none=True),
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}]
+    chat, _ = chat_of({"input": sent_back, "tools": [NAMESPACE]})
+    assert chat["messages"][1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+
+
+def test_output_logprobs_are_the_answers_tokens_folded_and_streamed_alike() -> None:
+    events = [ev(0, 10, "<think>", -0.1), ev(0, 11, "Hm", -0.2), ev(0, 12, "</think>", -0.3),
+              ev(0, 13, "Par", -0.4, top=(TopLogprob(13, -0.4), TopLogprob(14, -1.5))), ev(0, 15, "is", -0.5),
+              ev(0, 2, "", -0.01, finish=FinishReason.EOS, prompt=3, generated=6, special=True)]
+    folded = fmt.response(events, rctx(reasoning_parser="qwen3", want_logprobs=True))
+    logprobs = Response.model_validate(folded).output[1].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [(token_text(13), -0.4), (token_text(15), -0.5)]
+    assert [top.logprob for top in logprobs[0].top_logprobs] == [-0.4, -1.5]
+    records = stream(events, reasoning_parser="qwen3", want_logprobs=True)
+    deltas = [lp for r in records if r["type"] == "response.output_text.delta" for lp in r["logprobs"]]
+    done = next(r for r in records if r["type"] == "response.output_text.done")
+    assert deltas == done["logprobs"] == folded["output"][1]["content"][0]["logprobs"]
+    assert fmt.response(events, rctx(reasoning_parser="qwen3"))["output"][1]["content"][0]["logprobs"] == []
+
+
+def test_reasoning_is_sealed_when_included_and_a_background_response_starts_queued() -> None:
+    seal = ReasoningSeal(new_key())
+    folded = fmt.response(think_events(), rctx(reasoning_parser="qwen3", seal=seal.seal))
+    assert seal.open(folded["output"][0]["encrypted_content"]) == "Let me see."
+    assert "encrypted_content" not in fmt.response(think_events(), rctx(reasoning_parser="qwen3"))["output"][0]
+    records = stream(think_events(), reasoning_parser="qwen3", seal=seal.seal, queued=True)
+    assert [r["type"] for r in records][:3] == ["response.created", "response.in_progress",
+                                                "response.output_item.added"]
+    assert records[0]["response"]["status"] == "queued"
+    done = [r["item"] for r in records if r["type"] == "response.output_item.done"][0]
+    assert seal.open(done["encrypted_content"]) == "Let me see."
+
+
+def test_reasoning_items_sent_back_open_the_turn_their_text_sealed_or_plain() -> None:
+    items = [{"role": "user", "content": "Q"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "sealed"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    request = parse({"input": items, "tools": [WEATHER]})
+    chat, fields = request.to_chat(request.input_items(), reasoning=lambda item, field: f"opened {field}")
+    assistant = chat.model_dump(exclude_none=True)["messages"][1]
+    assert assistant["reasoning_content"] == "opened input[1]" and assistant["tool_calls"][0]["id"] == "c1"
+    assert fields == ["input[0]", "input[1]", "input[3]"]
+    summary_only = [{"role": "user", "content": "Q"}, {"type": "reasoning", "summary": [
+        {"type": "summary_text", "text": "s"}]}, {"role": "assistant", "content": "A"}]
+    chat, _ = chat_of({"input": summary_only})
+    assert "reasoning_content" not in chat["messages"][1]  # nothing to render
+
+
+def test_items_are_kept_with_ids_and_content_parts_and_listed_a_page_at_a_time() -> None:
+    kept = parse({"input": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+                 ).input_items()
+    assert [item["id"][:4] for item in kept] == ["msg_", "msg_"] and kept[0]["status"] == "completed"
+    assert kept[0]["content"] == [{"type": "input_text", "text": "Hi"}]
+    assert kept[1]["content"] == [{"type": "output_text", "text": "Hello", "annotations": []}]
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page, more = parse_model(ListQuery, {"limit": "2"}).page(items)
+    assert [i["id"] for i in page] == ["i4", "i3"] and more
+    page, more = parse_model(ListQuery, {"limit": 2, "order": "asc", "after": "i2"}).page(items)
+    assert [i["id"] for i in page] == ["i3", "i4"] and not more
+    with pytest.raises(BadRequest) as info:
+        parse_model(ListQuery, {"after": "nope"}).page(items)
+    assert info.value.param == "after"
+
+
+def fake_prepare(chat, fields) -> PreparedChat:
+    """A prompt of one token per character of its messages' text."""
+    length = sum(len(m.content or "") for m in chat.messages)
+    return PreparedChat(GenerationRequest("r", tuple(range(length))), None, None, False)
+
+
+@pytest.mark.parametrize(("truncation", "context", "dropped"), [
+    ("auto", 100, 0),       # it fits: nothing is dropped
+    ("auto", 60, 2),        # the two oldest items go (40 + 10 + 1 of room <= 60 only without them)
+    ("auto", 25, 3),        # from the call on
+    ("auto", 15, 5),        # the last item alone: a function call's output is never left without its call
+    ("disabled", 25, 0),    # refused later by the engine, as before
+])
+def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(truncation: str, context: int,
+                                                                      dropped: int) -> None:
+    items = [{"role": "user", "content": "u" * 20}, {"role": "assistant", "content": "a" * 20},
+             {"role": "user", "content": "u" * 20},
+             {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c", "output": "o" * 10},
+             {"role": "user", "content": "u" * 10}]
+    request = parse({"input": items, "truncation": truncation, "tools": [WEATHER]})
+    own = request.input_items()
+    fields = [f"input[{i}]" for i in range(len(own))]
+    prepared, message_fields, gone = request.fitted(own, fields, lambda item, field: None, fake_prepare, context)
+    assert gone == dropped and message_fields[0] == f"input[{dropped}]"

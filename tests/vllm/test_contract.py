@@ -1,10 +1,13 @@
 """The e2e contract tests, unchanged, against servers on vLLM: both schemas, both framings, errors, sampling
 fields, beam search, stop strings, logprobs, prompt logprobs (echo, decoder_input_details, token prompts), n /
-best_of, seed, logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), then
+best_of, seed, logit_bias, penalties, ignore_eos, usage, json_schema and tools (against the session's server), the
+Responses API's state (logprobs, background runs, input_items, conversations, truncation, tools, sealed reasoning sent
+back statelessly: servers of their own), then
 cancellation on disconnect, the 429 queue bound and the deadline (a server with one batch slot, one queue place and
 a 3 s deadline), a legacy batch and then clients that hang up, and SIGTERM's drain (servers of their own); vLLM's
 metric names, moving under load, filled from vLLM's own scheduler figures."""
 
+from tests.e2e.test_agent_responses import *  # noqa: F403
 from tests.e2e.test_beams import *  # noqa: F403
 from tests.e2e.test_chat_fields import *  # noqa: F403
 from tests.e2e.test_completions import *  # noqa: F403
@@ -20,6 +23,7 @@ from tests.e2e.test_metrics import (  # noqa: F401
     tight,
 )
 from tests.e2e.test_prompt_logprobs import *  # noqa: F403
+from tests.e2e.test_responses_state import *  # noqa: F403
 from tests.e2e.test_router_metrics import test_vllm_named_metrics_move_under_load  # noqa: F401
 from tests.e2e.test_serving import *  # noqa: F403
 from tests.e2e.test_stop_fields import *  # noqa: F403
