@@ -67,6 +67,7 @@ class HandlerOnly:
     is_ready = True
     is_alive = True
     embeds_only = False
+    score_type = None
     adapters = None
 
     def __init__(self, handler_name: str) -> None:
@@ -86,6 +87,9 @@ class HandlerOnly:
         raise NotFound(self.reason)
 
     def embed(self, request):
+        raise NotFound(self.reason)
+
+    def score(self, request):
         raise NotFound(self.reason)
 
 

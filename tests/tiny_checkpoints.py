@@ -97,3 +97,79 @@ def reference_embeddings(folder: Path, texts: list[str], mode: str, normalize: b
             vector = {"cls": states[0], "last": states[-1], "mean": states.mean(dim=0)}[mode]
             vectors.append(torch.nn.functional.normalize(vector, dim=-1) if normalize else vector)
     return torch.stack(vectors)
+
+
+# What the tiny cross-encoders' tokenizers are trained on (so rerank texts tokenise into words, not characters).
+PAIR_CORPUS = ["The capital of France is Paris.", "Paris is a city in France with museums and cafes.",
+               "Berlin is the capital of Germany.", "Deep learning models rank documents for a query.",
+               "A cross-encoder reads the query and the document together.", "What is the capital of France?",
+               "Cats sleep most of the day.", "The weather today is sunny with a light wind."]
+
+
+def _pair_tokenizer(family: str):
+    """A small tokenizer of the family's own kind, trained here on ``PAIR_CORPUS``: BERT's WordPiece with its
+    ``[CLS] a [SEP] b [SEP]`` pairs and token types, or XLM-RoBERTa's Unigram with ``<s> a </s></s> b </s>``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast, XLMRobertaTokenizerFast
+
+    if family == "bert":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.train_from_iterator(PAIR_CORPUS * 8, trainers.WordPieceTrainer(
+            vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+        tokenizer.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+        tokenizer.decoder = decoders.WordPiece()
+        return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                                 cls_token="[CLS]", mask_token="[MASK]")
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(PAIR_CORPUS * 8, trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], unk_token="<unk>"))
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    return XLMRobertaTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+
+
+def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64, activation: str | None = None,
+                             num_labels: int = 1) -> Path:
+    """A tiny random cross-encoder (``BertForSequenceClassification`` as ms-marco MiniLM, or
+    ``XLMRobertaForSequenceClassification`` as bge-reranker), as ``save_pretrained`` writes one, with its own
+    tokenizer (``_pair_tokenizer``). ``activation``: sentence-transformers' ``activation_fn`` in config.json. The
+    classifier head is drawn wide (std 0.5, the rest at 0.2) so the pairs' scores spread."""
+    from transformers import AutoModelForSequenceClassification, BertConfig, XLMRobertaConfig
+
+    tokenizer = _pair_tokenizer(family)
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 2 * hidden, "num_labels": num_labels, "pad_token_id": tokenizer.pad_token_id,
+             "initializer_range": 0.2}
+    if family == "bert":
+        config = BertConfig(**sizes, max_position_embeddings=128)
+    else:  # positions from the padding id + 1: 130 hold 128 tokens
+        config = XLMRobertaConfig(**sizes, max_position_embeddings=130, bos_token_id=0, eos_token_id=2)
+    if activation is not None:
+        config.sentence_transformers = {"activation_fn": activation}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("classifier") and name.endswith("weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_scores(folder: Path, pairs: list[tuple[str, str]], activation: str = "sigmoid") -> torch.Tensor:
+    """Plain transformers, one pair at a time (no padding): the tokenizer's pair encoding through
+    ``AutoModelForSequenceClassification``, its one logit through ``activation`` (sigmoid, identity or tanh)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    functions = {"sigmoid": torch.sigmoid, "identity": lambda x: x, "tanh": torch.tanh}
+    with torch.no_grad():
+        logits = torch.stack([model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0] for a, b in pairs])
+    return functions[activation](logits)

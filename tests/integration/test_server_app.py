@@ -63,6 +63,7 @@ def hello_script(request: GenerationRequest) -> list:
 
 class FakeEngine:
     embeds_only = False
+    score_type = None
 
     def __init__(self, script: Callable[[GenerationRequest], list] = hello_script) -> None:
         self.is_ready = True
