@@ -9,7 +9,17 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from handler.protocol import chat, completions, constraints, embeddings, legacy, responses, structured, tokenize
+from handler.protocol import (
+    chat,
+    completions,
+    constraints,
+    embeddings,
+    legacy,
+    rerank,
+    responses,
+    structured,
+    tokenize,
+)
 
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SCHEMAS = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
@@ -41,6 +51,10 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("TokenizeChat",): tokenize.TokenizeChat,
     ("Detokenize",): tokenize.Detokenize,
     ("EmbeddingRequestBody",): embeddings.EmbeddingRequestBody,
+    ("TeiRerankRequest",): rerank.TeiRerankRequest,
+    ("RerankDocument",): rerank.RerankDocument,
+    ("RerankRequest",): rerank.RerankRequest,
+    ("ScoreRequestBody",): rerank.ScoreRequestBody,
     ("StructuredOutputs",): constraints.StructuredOutputs,
     ("LegacyGrammar",): constraints.LegacyGrammar,
     ("TgiJsonSchema",): constraints.TgiJsonSchema,
@@ -72,7 +86,7 @@ def test_yaml_properties_and_required_match_the_model(path: tuple) -> None:
 def test_every_request_model_is_in_the_yaml() -> None:
     defined = {
         value
-        for module in (chat, completions, constraints, embeddings, legacy, responses, structured, tokenize)
+        for module in (chat, completions, constraints, embeddings, legacy, rerank, responses, structured, tokenize)
         for value in vars(module).values()
         if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == module.__name__
     }
