@@ -134,11 +134,12 @@ def _pair_tokenizer(family: str):
 
 
 def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64, activation: str | None = None,
-                             num_labels: int = 1) -> Path:
+                             num_labels: int = 1, **overrides) -> Path:
     """A tiny random cross-encoder (``BertForSequenceClassification`` as ms-marco MiniLM, or
     ``XLMRobertaForSequenceClassification`` as bge-reranker), as ``save_pretrained`` writes one, with its own
-    tokenizer (``_pair_tokenizer``). ``activation``: sentence-transformers' ``activation_fn`` in config.json. The
-    classifier head is drawn wide (std 0.5, the rest at 0.2) so the pairs' scores spread."""
+    tokenizer (``_pair_tokenizer``). ``activation``: sentence-transformers' ``activation_fn`` in config.json;
+    ``overrides``: config fields (layers, heads, ...) over the tiny sizes. The classifier head is drawn wide (std
+    0.5, the rest at 0.2) so the pairs' scores spread."""
     from transformers import AutoModelForSequenceClassification, BertConfig, XLMRobertaConfig
 
     tokenizer = _pair_tokenizer(family)
@@ -146,9 +147,10 @@ def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64,
              "intermediate_size": 2 * hidden, "num_labels": num_labels, "pad_token_id": tokenizer.pad_token_id,
              "initializer_range": 0.2}
     if family == "bert":
-        config = BertConfig(**sizes, max_position_embeddings=128)
+        config = BertConfig(**{**sizes, "max_position_embeddings": 128, **overrides})
     else:  # positions from the padding id + 1: 130 hold 128 tokens
-        config = XLMRobertaConfig(**sizes, max_position_embeddings=130, bos_token_id=0, eos_token_id=2)
+        config = XLMRobertaConfig(**{**sizes, "max_position_embeddings": 130, "bos_token_id": 0, "eos_token_id": 2,
+                                     **overrides})
     if activation is not None:
         config.sentence_transformers = {"activation_fn": activation}
     torch.manual_seed(0)
