@@ -400,8 +400,8 @@ def _load_cross_encoder(options: LoadOptions, config: dict,
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=frozenset(),
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=len(tokenizer),
                          grammar=None, path="cross-encoder", path_reason=reason,
-                         embedding="this model is a cross-encoder: it scores pairs (POST /rerank, /score), and has "
-                                   "no embeddings", scoring=activation)
+                         embedding="a cross-encoder scores pairs (POST /rerank, /score) and has no embeddings",
+                         scoring=activation)
     return loaded, PromptParts(tokenizer, None)
 
 
