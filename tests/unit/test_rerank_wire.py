@@ -124,3 +124,17 @@ def test_classifiers_that_are_no_cross_encoder(config: dict, message: str) -> No
 def test_what_is_no_sequence_classifier() -> None:
     assert not is_cross_encoder({"model_type": "bert", "architectures": ["BertModel"]})
     assert not is_cross_encoder({"model_type": "llama"})
+
+
+@pytest.mark.parametrize(("config", "context"), [
+    ({"model_type": "xlm-roberta", "max_position_embeddings": 514, "pad_token_id": 1}, 512),  # bge-reranker's
+    ({"model_type": "roberta", "max_position_embeddings": 130, "pad_token_id": 1}, 128),
+    ({"model_type": "bert", "max_position_embeddings": 512, "pad_token_id": 0}, 512),
+])
+def test_roberta_kin_hold_their_positions_less_the_padding_offset(config: dict, context: int) -> None:
+    from pathlib import Path
+
+    from handler.config import Settings
+    from handler.process.preflight import context_length
+
+    assert context_length(Settings(model_id=str(Path(__file__).parent)), config) == context
