@@ -47,12 +47,15 @@ def by_index(results: list[dict], key: str) -> torch.Tensor:
 
 
 def test_tei_rerank(reranker: tuple[str, Path], expected: torch.Tensor) -> None:
+    from tests.tiny_checkpoints import reference_scores
+
     url = reranker[0]
     ranks = post(url, {"query": QUERY, "texts": DOCUMENTS}, "/rerank").json()
     torch.testing.assert_close(by_index(ranks, "score"), expected, rtol=1e-4, atol=1e-4)
     assert all(set(rank) == {"index", "score"} for rank in ranks)
     raw = post(url, {"query": QUERY, "texts": DOCUMENTS, "raw_scores": True, "return_text": True}, "/rerank").json()
-    torch.testing.assert_close(by_index(raw, "score"), torch.logit(expected.double()).float(), rtol=1e-3, atol=1e-3)
+    logits = reference_scores(reranker[1], [(QUERY, document) for document in DOCUMENTS], "identity")
+    torch.testing.assert_close(by_index(raw, "score"), logits, rtol=1e-4, atol=1e-4)
     assert [rank["text"] for rank in raw] == [DOCUMENTS[rank["index"]] for rank in raw]
     invoked = post(url, {"query": QUERY, "texts": DOCUMENTS}).json()  # /invocations: query with texts
     torch.testing.assert_close(by_index(invoked, "score"), expected, rtol=1e-4, atol=1e-4)
