@@ -40,6 +40,7 @@ from handler.endpoints.health import Health
 from handler.endpoints.invocations import Invocations
 from handler.endpoints.legacy import Legacy
 from handler.endpoints.models import Models
+from handler.endpoints.rerank import Rerank, Score
 from handler.endpoints.responses import Responses
 from handler.endpoints.sessions import Sessions
 from handler.endpoints.tokenizer import Tokenizer
@@ -65,9 +66,11 @@ def route_table(door: FrontDoor) -> list[Route]:
     chat, completions, legacy = Chat(door), Completions(door), Legacy(door)
     responses, embeddings, models, tokenizer = Responses(door), Embeddings(door), Models(door), Tokenizer(door)
     adapters, health, sessions, conversations = Adapters(door), Health(door), Sessions(door), Conversations(door)
+    rerank, score = Rerank(door), Score(door)
     invocations = Invocations(door, apis={"chat": chat.serve, "legacy": legacy.serve, "completions": completions.serve,
                                           "embeddings": embeddings.serve, "responses": responses.serve,
-                                          "session": sessions.serve})
+                                          "session": sessions.serve, "tei_rerank": rerank.tei.serve,
+                                          "rerank": rerank.serve, "score": score.serve})
     if door.service.user_handler is not None:  # a user's model.py answers /invocations, and may call ours
         invocations = UserInvocations(door, builtin=invocations)
     # a WebSocket's messages are requests to one of these routes (SageMaker's Model-Invocation-Path picks which)
@@ -82,6 +85,11 @@ def route_table(door: FrontDoor) -> list[Route]:
         Route("POST", "/v1/chat/completions", chat.post),
         Route("POST", "/v1/completions", completions.post),
         Route("POST", "/v1/embeddings", embeddings.post),
+        Route("POST", "/rerank", rerank.either),
+        Route("POST", "/v1/rerank", rerank.post),
+        Route("POST", "/v2/rerank", rerank.post),
+        Route("POST", "/score", score.post),
+        Route("POST", "/v1/score", score.post),
         Route("POST", "/v1/responses", responses.post),
         Route("GET", "/v1/responses/<response_id>", responses.get),
         Route("DELETE", "/v1/responses/<response_id>", responses.delete),

@@ -78,6 +78,7 @@ class HandlerOnly:
     is_ready = True
     is_alive = True
     embeds_only = False
+    score_type = None
     adapters = None
 
     def __init__(self, handler_name: str) -> None:
@@ -100,6 +101,9 @@ class HandlerOnly:
         return None
 
     def embed(self, request):
+        raise NotFound(self.reason)
+
+    def score(self, request):
         raise NotFound(self.reason)
 
 

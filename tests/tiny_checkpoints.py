@@ -97,3 +97,86 @@ def reference_embeddings(folder: Path, texts: list[str], mode: str, normalize: b
             vector = {"cls": states[0], "last": states[-1], "mean": states.mean(dim=0)}[mode]
             vectors.append(torch.nn.functional.normalize(vector, dim=-1) if normalize else vector)
     return torch.stack(vectors)
+
+
+# The tiny cross-encoders' tokenizers know these words (so rerank texts tokenise into words, not characters).
+PAIR_CORPUS = ["The capital of France is Paris.", "Paris is a city in France with museums and cafes.",
+               "Berlin is the capital of Germany.", "Deep learning models rank documents for a query.",
+               "A cross-encoder reads the query and the document together.", "What is the capital of France?",
+               "Cats sleep most of the day.", "The weather today is sunny with a light wind."]
+
+
+def _pair_tokenizer(family: str):
+    """A small tokenizer of the family's own kind over ``PAIR_CORPUS``'s words (its vocabulary written out, so every
+    build is the same): BERT's WordPiece with its ``[CLS] a [SEP] b [SEP]`` pairs and token types, or XLM-RoBERTa's
+    Unigram with ``<s> a </s></s> b </s>``. A word outside the corpus is spelt in characters."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertTokenizerFast, XLMRobertaTokenizerFast
+
+    text = " ".join(PAIR_CORPUS)
+    words = sorted({word.strip(".?,") for word in text.split()} - {""})
+    chars = sorted(set(text) - {" "} | set("abcdefghijklmnopqrstuvwxyz,.?!'-"))
+    if family == "bert":
+        pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted({w.lower() for w in words}), *chars,
+                  *(f"##{c}" for c in chars)]
+        tokenizer = Tokenizer(models.WordPiece({piece: i for i, piece in enumerate(dict.fromkeys(pieces))},
+                                               unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+        tokenizer.decoder = decoders.WordPiece()
+        return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                                 cls_token="[CLS]", mask_token="[MASK]")
+    vocab = [(piece, 0.0) for piece in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")]
+    vocab += [(f"\u2581{word}", -1.0) for word in words] + [("\u2581", -3.0)] + [(c, -5.0) for c in chars]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=3))
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    return XLMRobertaTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+
+
+def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64, activation: str | None = None,
+                             num_labels: int = 1, **overrides) -> Path:
+    """A tiny random cross-encoder (``BertForSequenceClassification`` as ms-marco MiniLM, or
+    ``XLMRobertaForSequenceClassification`` as bge-reranker), as ``save_pretrained`` writes one, with its own
+    tokenizer (``_pair_tokenizer``). ``activation``: sentence-transformers' ``activation_fn`` in config.json;
+    ``overrides``: config fields (layers, heads, ...) over the tiny sizes. The classifier head is drawn wide (std
+    4 / sqrt(hidden), the rest at 0.2) so the pairs' scores spread, short of sigmoid's flat ends."""
+    from transformers import AutoModelForSequenceClassification, BertConfig, XLMRobertaConfig
+
+    tokenizer = _pair_tokenizer(family)
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 2 * hidden, "num_labels": num_labels, "pad_token_id": tokenizer.pad_token_id,
+             "initializer_range": 0.2}
+    if family == "bert":
+        config = BertConfig(**{**sizes, "max_position_embeddings": 128, **overrides})
+    else:  # positions from the padding id + 1: 130 hold 128 tokens
+        config = XLMRobertaConfig(**{**sizes, "max_position_embeddings": 130, "bos_token_id": 0, "eos_token_id": 2,
+                                     **overrides})
+    if activation is not None:
+        config.sentence_transformers = {"activation_fn": activation}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("classifier") and name.endswith("weight"):
+                param.normal_(0.0, 4 / hidden**0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_scores(folder: Path, pairs: list[tuple[str, str]], activation: str = "sigmoid") -> torch.Tensor:
+    """Plain transformers, one pair at a time (no padding): the tokenizer's pair encoding through
+    ``AutoModelForSequenceClassification``, its one logit through ``activation`` (sigmoid, identity or tanh)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    functions = {"sigmoid": torch.sigmoid, "identity": lambda x: x, "tanh": torch.tanh}
+    with torch.no_grad():
+        logits = torch.stack([model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0] for a, b in pairs])
+    return functions[activation](logits)

@@ -146,10 +146,13 @@ class Endpoint:
 
     def renderer(self, generates: str | None = None) -> PromptRenderer:
         """The prompt renderer; for a generation request (``generates``: its prompt field) refused first when the
-        model serves embeddings only."""
+        model serves embeddings only, or is a cross-encoder."""
         if generates is not None and self.service.engine.embeds_only:
             raise BadRequest("this model is an encoder: it serves embeddings only (POST /v1/embeddings, or a body "
                              "with input on /invocations), not generation", param=generates)
+        if generates is not None and self.service.engine.score_type == "cross-encoder":
+            raise BadRequest("this model is a cross-encoder: it scores pairs (POST /rerank, /score), and does not "
+                             "generate", param=generates)
         if not self.service.serves_builtin:  # a user's model.py serves without the built-in engine
             raise NotFound(self.service.engine.reason, code="not_found")
         if self.door.is_draining():

@@ -3,9 +3,10 @@
 ``requestType`` means a stateful session's NEW_SESSION or CLOSE (the standards package's rule: whatever else the
 body holds, which is then refused), else ``messages`` means chat completions (it wins when ``inputs`` is there too),
 else ``inputs`` means the legacy schema, else ``prompt`` means completions, else ``input`` means a Responses request
-or embeddings (``is_responses_body`` says which), else 400 naming the fields. A stream is framed as server-sent
-events when the client accepts ``text/event-stream``, else as ``option.output_formatter`` says (JSON lines by
-default).
+or embeddings (``is_responses_body`` says which), else ``query`` with ``texts`` means TEI's rerank, ``query`` with
+``documents`` the Cohere / Jina rerank, ``text_1`` with ``text_2`` vLLM's score, else 400 naming the fields. A
+stream is framed as server-sent events when the client accepts ``text/event-stream``, else as
+``option.output_formatter`` says (JSON lines by default).
 
 The endpoints themselves come from ``server``'s route table (``apis``: schema -> the endpoint's ``serve``): this
 module names the schemas, and imports no endpoint.
@@ -58,8 +59,13 @@ def sniff_schema(body: dict, embeds_only: bool = False) -> str:
         return "completions"
     if "input" in body:
         return "embeddings" if embeds_only or not is_responses_body(body) else "responses"
+    if "query" in body and ("texts" in body or "documents" in body):
+        return "tei_rerank" if "texts" in body else "rerank"
+    if "text_1" in body and "text_2" in body:
+        return "score"
     raise BadRequest("the body has none of 'messages' (chat completions), 'inputs' (legacy schema), 'prompt' "
-                     "(completions) and 'input' (Responses, or embeddings)", param="messages")
+                     "(completions), 'input' (Responses, or embeddings), 'query' with 'texts' or 'documents' "
+                     "(rerank) and 'text_1' with 'text_2' (score)", param="messages")
 
 
 def is_responses_body(body: dict) -> bool:

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from handler.engine.types import AdapterInfo, EmbeddingRequest, Embeddings, GenerationRequest, TokenEvent
+from handler.engine.types import (
+    AdapterInfo,
+    EmbeddingRequest,
+    Embeddings,
+    GenerationRequest,
+    ScoreRequest,
+    Scores,
+    TokenEvent,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,12 @@ class EmbeddingHandle(Protocol):
     """Submitted inputs to embed: ``result`` waits for them (``ServingError`` when they failed or time ran out)."""
 
     def result(self) -> Embeddings: ...
+
+
+class ScoreHandle(Protocol):
+    """Submitted pairs to score: ``result`` waits for them (``ServingError`` when they failed or time ran out)."""
+
+    def result(self) -> Scores: ...
 
 
 class AdapterManager(Protocol):
@@ -141,4 +155,14 @@ class EngineBackend(Protocol):
 
     def embed(self, request: EmbeddingRequest) -> EmbeddingHandle:
         """Queue inputs to embed; raises a ``ServingError`` for inputs (or a model) that cannot be embedded."""
+        ...
+
+    @property
+    def score_type(self) -> str | None:
+        """How the model scores a pair of texts (rerank, score): ``cross-encoder`` (``score``), ``bi-encoder`` (the
+        cosine of two ``embed`` vectors), or None (a generating model: refused)."""
+        ...
+
+    def score(self, request: ScoreRequest) -> ScoreHandle:
+        """Queue pairs for a cross-encoder; raises a ``ServingError`` for pairs (or a model) that cannot be scored."""
         ...

@@ -290,6 +290,39 @@ class Embeddings:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenPair:
+    """Two texts as a cross-encoder reads them together: the pair's token ids (the tokenizer's special tokens and
+    separators in), and where the second text's segment starts (token type 1 from there, for a model with token
+    types; ``len(ids)`` when the tokenizer gives none). ``len`` is its tokens, as an embedding input's."""
+
+    ids: tuple[int, ...]
+    second_start: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """Pairs for a cross-encoder to score, one score each, answered in order, all or none. ``raw``: the logits as
+    they are, without the activation the checkpoint names (TEI's ``raw_scores``, vLLM's ``use_activation``)."""
+
+    request_id: str
+    inputs: tuple[TokenPair, ...]
+    arrived_at: float = 0.0
+    param: str = "documents"          # the request field the pairs' second texts came from, for errors
+    raw: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """The answer to a ``ScoreRequest``: one score a pair, and the tokens they took."""
+
+    values: tuple[float, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterInfo:
     """A registered LoRA adapter, as ``GET /adapters`` lists it."""
 

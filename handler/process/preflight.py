@@ -11,15 +11,19 @@ from handler.errors import ConfigError
 
 # Without a setting, the context is the model's own, capped so one sequence's KV cache stays modest.
 _DEFAULT_CONTEXT_CAP = 8192
+# RoBERTa's kin number their positions from the padding id + 1 (transformers' create_position_ids_from_input_ids)
+_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert"})
 
 
 def context_length(settings: Settings, config: dict) -> int:
     """Tokens one sequence may hold (prompt + completion): the setting, else the model's own, capped."""
     model_max = config.get("max_position_embeddings") or _DEFAULT_CONTEXT_CAP
+    if config.get("model_type") in _OFFSET_POSITIONS and config.get("max_position_embeddings"):
+        model_max -= (config.get("pad_token_id") or 0) + 1  # 514 positions hold 512 tokens
     max_len = settings.max_model_len or min(model_max, _DEFAULT_CONTEXT_CAP)
     if max_len > model_max:
-        raise ConfigError(f"option.max_model_len={max_len} is more than the model's max_position_embeddings "
-                          f"({model_max})")
+        raise ConfigError(f"option.max_model_len={max_len} is more than the model's positions hold ({model_max}, "
+                          "from max_position_embeddings)")
     return max_len
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
 from handler.engine.types import ReasoningGate
 from handler.errors import BadRequest, Unprocessable
 from handler.parsing import dialects, reasoning
+from handler.prompt.pairs import PairTokenizer
 from handler.prompt.tools import render_calls, template_renders_tools, tools_system_prompt
 
 
@@ -104,6 +106,11 @@ class PromptRenderer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def pairs(self) -> PairTokenizer:
+        """The tokenizer for rerank and score: pairs of texts (a cross-encoder's) and texts alone, cut as asked."""
+        return PairTokenizer(self.tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids' text, special tokens included (what echo shows of a token prompt, as vLLM decodes it)."""

@@ -67,7 +67,10 @@ def field_path(loc: tuple) -> str:
 
 
 def _is_union_tag(item: str) -> bool:
-    return "[" in item or item.startswith("function-") or item in {"str", "int", "float", "bool", "none"}
+    """A union member's tag: a type's name (``str``, ``list[...]``, a model class's ``RerankDocument``: the wire's
+    field names are all lower case), or a validator's."""
+    return ("[" in item or item.startswith("function-") or item in {"str", "int", "float", "bool", "none"}
+            or item[:1].isupper())
 
 
 class ExtraParameters(enum.Enum):

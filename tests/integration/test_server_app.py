@@ -65,6 +65,7 @@ def hello_script(request: GenerationRequest) -> list:
 class FakeEngine:
     embeds_only = False
     limits = EngineLimits(max_running=8, max_model_len=8192, max_step_tokens=512)
+    score_type = None
 
     def __init__(self, script: Callable[[GenerationRequest], list] = hello_script) -> None:
         self.is_ready = True

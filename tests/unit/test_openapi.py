@@ -16,6 +16,7 @@ from handler.protocol import (
     conversations,
     embeddings,
     legacy,
+    rerank,
     response_items,
     response_tools,
     responses,
@@ -54,6 +55,10 @@ MODELS: dict[tuple, type[BaseModel]] = {
     ("TokenizeChat",): tokenize.TokenizeChat,
     ("Detokenize",): tokenize.Detokenize,
     ("EmbeddingRequestBody",): embeddings.EmbeddingRequestBody,
+    ("TeiRerankRequest",): rerank.TeiRerankRequest,
+    ("RerankDocument",): rerank.RerankDocument,
+    ("RerankRequest",): rerank.RerankRequest,
+    ("ScoreRequestBody",): rerank.ScoreRequestBody,
     ("StructuredOutputs",): constraints.StructuredOutputs,
     ("LegacyGrammar",): constraints.LegacyGrammar,
     ("TgiJsonSchema",): constraints.TgiJsonSchema,
@@ -72,8 +77,8 @@ MIXINS = {constraints.ConstraintFields}
 # Models that keep what they do not declare: a tool or tool choice this server cannot offer (repeated as sent), and a
 # list's query string (which carries more than its paging fields)
 OPEN_MODELS = {response_tools.UnofferedTool, response_tools.ToolChoiceOther, conversations.ListQuery}
-MODULES = (chat, completions, constraints, conversations, embeddings, legacy, response_items, response_tools, responses,
-           sessions, structured, tokenize)
+MODULES = (chat, completions, constraints, conversations, embeddings, legacy, rerank, response_items, response_tools,
+           responses, sessions, structured, tokenize)
 
 
 def _names(model: type[BaseModel], required_only: bool = False) -> set[str]:

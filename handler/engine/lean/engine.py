@@ -27,14 +27,16 @@ from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.constraints import GrammarCompiler
-from handler.engine.core.embedding import EmbeddingJob, check_inputs
+from handler.engine.core.embedding import EmbeddingJob
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
+from handler.engine.core.scoring import Activation
+from handler.engine.lean.pooling import PoolingIntake
 from handler.engine.lean.speculate import Speculation
 from handler.engine.lean.steps import EndSession, StepLoop
 from handler.engine.model.support import UnsupportedModel
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
-from handler.engine.types import EmbeddingRequest, ErrorKind, FinishReason, GenerationRequest, Pooling
+from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, Pooling
 from handler.errors import BadRequest, ConfigError, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class LoadedModel:
     path_reason: str = ""                     # why (option.rolling_batch, or what the lean engine lacks)
     embedding: Pooling | str = "this model does not embed"  # how its embeddings pool, or why it cannot embed
     speculation: Speculation | None = None    # speculative decoding (option.speculative_draft_model)
+    scoring: Activation | None = None         # a cross-encoder: the activation of its scores (None: not one)
 
 
 NO_LIMITS = Admission()
@@ -63,7 +66,7 @@ KV_IDLE_RELEASE_S = 30.0
 STOP_WAIT_S = 5.0  # ``stop`` waits this long for the current step (SageMaker's 30 s after SIGTERM include it)
 
 
-class Engine:
+class Engine(PoolingIntake):
     """The lean engine backend (``backend.EngineBackend``): ``load`` runs on the engine thread and returns the model;
     ``on_stats`` runs on the engine thread after steps and must be quick."""
 
@@ -122,6 +125,9 @@ class Engine:
         if self._loaded.path == "encoder":
             raise BadRequest(f"this model serves embeddings only (POST /v1/embeddings): {self._loaded.path_reason}",
                              param=request.prompt_param)
+        if self._loaded.path == "cross-encoder":
+            raise BadRequest(f"this model does not generate: {self._loaded.path_reason} (POST /rerank, /score)",
+                             param=request.prompt_param)
         request = fit_prompt(request, self.limits)
         self.validate(request)
         state = RequestState(request, self._loop.new_sequence, deadline=self._admission.deadline(request.arrived_at),
@@ -148,25 +154,9 @@ class Engine:
                            "enable_lora=true serves them)", param=request.adapter_param, code="adapter_not_found")
         return store.resolve(request.adapter, request.adapter_param)
 
-    @property
-    def embeds_only(self) -> bool:
-        """An encoder checkpoint: embeddings only."""
-        return self._loaded is not None and self._loaded.path == "encoder"
-
     def _check_ready(self) -> None:
         if not self.is_ready:
             raise NotReady("the model is not ready yet" if not self._stopping.is_set() else "the server is stopping")
-
-    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
-        """Queue inputs to embed; raises ``ServingError`` when this model cannot embed them."""
-        self._check_ready()
-        if isinstance(self._loaded.embedding, str):
-            raise BadRequest(f"this model cannot embed: {self._loaded.embedding}", param=request.param)
-        check_inputs(request, self.limits.max_model_len, self._loaded.vocab_size)
-        job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), self._thread.is_alive,
-                           self._admission.timeout_error)
-        self._inbox.put(job)
-        return job
 
     def _compile_grammar(self, request: GenerationRequest):
         if request.grammar is None:
@@ -217,7 +207,7 @@ class Engine:
             self._loop = loop = StepLoop(loaded.runner, vocab, self.limits, self._admission, loaded.embedding,
                                          loaded.speculation)
             warm_up = time.monotonic()
-            loop.warm_up(generates=loaded.path != "encoder")
+            loop.warm_up(generates=loaded.path not in ("encoder", "cross-encoder"))
             log.info("warm-up took %.1f s; ready", time.monotonic() - warm_up)
         except Exception as error:  # reported by /ping (503) and in the log; ``on_failed`` decides what follows
             self.load_error = " ".join(f"{type(error).__name__}: {error}".split())

@@ -21,6 +21,7 @@ from handler.config import Settings, memory_amount
 from handler.engine.backend import EngineLimits
 from handler.engine.core.constraints import GrammarCompiler
 from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
+from handler.engine.core.scoring import UnsupportedCrossEncoder, is_cross_encoder, read_activation
 from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.lean.draft import DraftModel
 from handler.engine.lean.engine import LoadedModel
@@ -34,7 +35,7 @@ from handler.engine.model.lora import enable_adapters, load_adapter
 from handler.engine.model.quantize import CALIBRATION_TEXT, calibrate, smooth_and_quantize
 from handler.engine.model.support import UnsupportedModel, check_lean, rope_type, tensor_names
 from handler.engine.runners.adapters import AdapterStore
-from handler.engine.runners.encoder_runner import EncoderRunner
+from handler.engine.runners.encoder_runner import CrossEncoderRunner, EncoderRunner
 from handler.engine.runners.hf_runner import TransformersRunner
 from handler.engine.runners.kv_space import KVSpace
 from handler.engine.runners.model_runner import ModelRunner
@@ -195,7 +196,7 @@ def load(options: LoadOptions, load_full_tokenizer: Callable[[], object]) -> tup
     calibration only needs the fast tokenizer."""
     result: dict[str, object] = {}
     config = read_config(options.model_dir)
-    if is_encoder(config):
+    if is_encoder(config) or is_cross_encoder(config):
         return _load_encoder(options, config, load_full_tokenizer)
     path, reason = choose_path(options, config)
     log.info("serving %s on the %s path: %s", options.model_dir.name, path, reason)
@@ -361,16 +362,19 @@ def decoder_pooling(model_dir: Path, is_vision: bool) -> Pooling | str:
 
 def _load_encoder(options: LoadOptions, config: dict,
                   load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
-    """An encoder checkpoint (BERT and its kin): embeddings only, through its transformers model in fp32 (int8 is the
-    lean decoder's); an embedding pipeline this server does not run is a start error."""
+    """An encoder checkpoint (BERT and its kin) through its transformers model in option.dtype (int8 is the lean
+    decoder's): embeddings only, or for a cross-encoder (``core.scoring``) scores only, from its classifier head. An
+    embedding pipeline or a classifier this server does not run is a start error."""
+    kind = "a cross-encoder" if is_cross_encoder(config) else "an encoder"
     if options.quantize_asked:
-        raise UnsupportedModel("int8 (option.quantize=dynamic_int8) is the lean decoder's; an "
-                               "encoder serves option.dtype")
+        raise UnsupportedModel(f"int8 (option.quantize=dynamic_int8) is the lean decoder's; {kind} serves option.dtype")
     if options.speculation is not None:
-        raise UnsupportedModel("option.speculative_draft_model: an encoder does not generate")
+        raise UnsupportedModel(f"option.speculative_draft_model: {kind} does not generate")
     if options.rolling_batch == "lean":
-        raise UnsupportedModel(f"option.rolling_batch=lean: {config.get('model_type')} is an encoder, which the "
-                               "lean engine's own model code does not run (auto serves its embeddings)")
+        raise UnsupportedModel(f"option.rolling_batch=lean: {config.get('model_type')} is {kind}, which the lean "
+                               "engine's own model code does not run (auto serves it)")
+    if is_cross_encoder(config):
+        return _load_cross_encoder(options, config, load_full_tokenizer)
     try:
         pooling = read_pooling(options.model_dir, is_encoder=True)
     except UnsupportedPooling as error:
@@ -383,6 +387,28 @@ def _load_encoder(options: LoadOptions, config: dict,
     loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=frozenset(),
                          special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=len(tokenizer),
                          grammar=None, path="encoder", path_reason=reason, embedding=pooling)
+    return loaded, PromptParts(tokenizer, None)
+
+
+def _load_cross_encoder(options: LoadOptions, config: dict,
+                        load_full_tokenizer: Callable[[], object]) -> tuple[LoadedModel, PromptParts]:
+    """A cross-encoder: its ``AutoModelForSequenceClassification``, scoring pairs (never embedding with its head
+    dropped)."""
+    try:
+        activation = read_activation(config)
+    except UnsupportedCrossEncoder as error:
+        raise UnsupportedModel(f"this sequence classifier cannot be served: {error}") from None
+    tokenizer = load_full_tokenizer()
+    runner = CrossEncoderRunner.load(options.model_dir, DTYPES[options.dtype], torch.device(options.device),
+                                     tokenizer.pad_token_id or 0)
+    reason = (f"{config['architectures'][0]} is a cross-encoder: rerank and score only ({activation.name} of its "
+              f"logit, {activation.source})")
+    log.info("serving %s on the cross-encoder path: %s", options.model_dir.name, reason)
+    loaded = LoadedModel(runner=runner, tokenizer=tokenizer.backend_tokenizer, eos_token_ids=frozenset(),
+                         special_token_ids=frozenset(tokenizer.all_special_ids), vocab_size=len(tokenizer),
+                         grammar=None, path="cross-encoder", path_reason=reason,
+                         embedding="a cross-encoder scores pairs (POST /rerank, /score) and has no embeddings",
+                         scoring=activation)
     return loaded, PromptParts(tokenizer, None)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from handler.engine.backend import EngineLimits, EngineStats
 from handler.engine.core import prompt_logprobs
 from handler.engine.core.admission import AdmissionControl
-from handler.engine.core.embedding import EmbeddingJob
+from handler.engine.core.embedding import EmbeddingJob, ScoreJob, next_batch
 from handler.engine.core.request import RequestState, Sequence, Vocabulary
 from handler.engine.core.sampler import SampleResult, sample
 from handler.engine.lean.beams import BeamSteps
@@ -32,6 +32,7 @@ from handler.engine.types import (
     Pooling,
     StopConditions,
     TokenEvent,
+    TokenPair,
     TopLogprob,
 )
 from handler.errors import EngineError, NotReady
@@ -103,8 +104,11 @@ class StepLoop:
         can serve at all: a warm-up generation that ends in an error (a forward that raises, non-finite logits) raises
         ``WarmUpFailed`` with the reason, so a model that would fail every request never says it is ready.
         """
-        if not generates:  # an encoder: one embedding instead
-            self.runner.embed([tuple(range(1, 9))], self.pooling)
+        if not generates:  # an encoder: one embedding instead (a cross-encoder: one pair's score)
+            if hasattr(self.runner, "score"):
+                self.runner.score([TokenPair(tuple(range(1, 9)), 4)])
+            else:
+                self.runner.embed([tuple(range(1, 9))], self.pooling)
             return
         prefix = self.runner.prefix_ids
         shapes = [(prefix + tuple(range(1, 9)), 1)]
@@ -192,30 +196,18 @@ class StepLoop:
             self._emit(sequence, result, row)
 
     def _embed(self) -> None:
-        """One forward of queued inputs, in arrival order, up to the step's token budget (no KV is kept)."""
-        batch: list[tuple[EmbeddingJob, int]] = []  # (job, how many of its inputs)
-        inputs: list[tuple[int, ...]] = []
-        budget = self.limits.max_step_tokens
-        while self.embeddings and budget > 0:
-            job = self.embeddings[0]
-            if job.done.is_set():  # timed out (or failed) while it waited: its caller has gone on
-                self.embeddings.popleft()
-                continue
-            taken = job.take(budget)  # at least one input, however long
-            batch.append((job, len(taken)))
-            inputs += taken
-            budget -= sum(len(ids) for ids in taken)
-            if not job.is_taken:
-                break
-            self.embeddings.popleft()
+        """One forward of queued inputs, in arrival order, up to the step's token budget (no KV is kept): texts to
+        embed, or a cross-encoder's pairs to score (``ScoreJob``; a model serves one kind, and a forward runs one)."""
+        batch, inputs = next_batch(self.embeddings, self.limits.max_step_tokens)
         if not inputs:
             return
+        scores = isinstance(batch[0][0], ScoreJob)
         try:
-            vectors = self.runner.embed(inputs, self.pooling)
+            vectors = self.runner.score(inputs) if scores else self.runner.embed(inputs, self.pooling)
         except Exception as error:  # these jobs fail; the engine goes on
-            log.exception("embedding step failed")
+            log.exception("%s step failed", "scoring" if scores else "embedding")
             for job, _count in batch:
-                job.fail(EngineError(f"embedding failed: {type(error).__name__}: {error}"))
+                job.fail(EngineError(f"{'scoring' if scores else 'embedding'} failed: {type(error).__name__}: {error}"))
                 if job in self.embeddings:
                     self.embeddings.remove(job)
             return

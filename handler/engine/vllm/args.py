@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from handler.config import Settings
 from handler.engine.core.grammars import to_lark
 from handler.engine.core.pooling import UnsupportedPooling, is_encoder, read_pooling
+from handler.engine.core.scoring import UnsupportedCrossEncoder, is_cross_encoder, read_activation
 from handler.engine.types import GenerationRequest, GrammarSpec
 from handler.errors import ConfigError, Unprocessable
 
@@ -113,8 +114,7 @@ def engine_kwargs(settings: Settings, placement: Placement, max_model_len: int, 
         # one slot more than option.max_loras: the weightless adapter base requests carry (``adapters``)
         kwargs.update(enable_lora=True, max_loras=settings.max_loras + 1, max_lora_rank=settings.max_lora_rank,
                       max_cpu_loras=settings.max_loras + 1)
-    if is_encoder(model_config):
-        kwargs.update(pooling_kwargs(settings))
+    kwargs.update(pooling_runner_kwargs(settings, model_config))
     if tensor * pipeline > 1 and placement.device == "cpu":
         kwargs["distributed_executor_backend"] = "mp"   # worker processes on this machine
         if pipeline > 1 and settings.enforce_eager:
@@ -137,6 +137,25 @@ def pooling_kwargs(settings: Settings) -> dict:
     # least one cacheable group")
     return {"runner": "pooling", "enable_prefix_caching": False,
             "pooler_config": {"seq_pooling_type": pooling.mode.upper(), "use_activation": pooling.normalize}}
+
+
+def pooling_runner_kwargs(settings: Settings, model_config: dict) -> dict:
+    """What runs an encoder or a cross-encoder on vLLM's pooling runner (nothing for a generating model)."""
+    if is_cross_encoder(model_config):
+        return cross_encoder_kwargs(settings, model_config)
+    return pooling_kwargs(settings) if is_encoder(model_config) else {}
+
+
+def cross_encoder_kwargs(settings: Settings, model_config: dict) -> dict:
+    """A cross-encoder (``core.scoring``) runs on vLLM's pooling runner, whose classify task gives its head's logits;
+    the activation is ours (``core.scoring.read_activation``, applied by the backend), so both backends score alike."""
+    if settings.speculative_draft_model is not None:
+        raise ConfigError("option.speculative_draft_model: a cross-encoder does not generate")
+    try:
+        read_activation(model_config)
+    except UnsupportedCrossEncoder as error:
+        raise ConfigError(f"this sequence classifier cannot be served: {error}") from None
+    return {"runner": "pooling", "enable_prefix_caching": False}
 
 
 def speculative_config(settings: Settings) -> dict:

@@ -25,26 +25,26 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from handler import threads
 from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.checks import check_request, fit_prompt
-from handler.engine.core.embedding import EmbeddingJob, check_inputs
+from handler.engine.core.embedding import EmbeddingJob, ScoreJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Sequence, Vocabulary
 from handler.engine.types import (
     EmbeddingRequest,
     ErrorKind,
     FinishReason,
     GenerationRequest,
+    ScoreRequest,
 )
+from handler.engine.vllm import pooling
 from handler.engine.vllm.adapters import BASE_NAME, VllmAdapters
 from handler.engine.vllm.args import check_backend
 from handler.engine.vllm.beams import BeamRunner, check_beams
 from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
 from handler.engine.vllm.stats import SchedulerFigures, stat_logger
-from handler.errors import BadRequest, EngineError, NotFound, NotReady, Unprocessable
+from handler.errors import BadRequest, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,12 @@ _STOP_WAIT_S = 10.0
 
 @dataclasses.dataclass(slots=True)
 class Prepared:
-    """What the service's preparation gives the backend: the engine arguments and the model's vocabulary."""
+    """What the service's preparation gives the backend: the engine arguments, the model's vocabulary, and for a
+    cross-encoder the activation of its scores."""
 
     engine_kwargs: dict
     vocabulary: Vocabulary
+    activation: str | None = None
 
 
 class VllmBackend:
@@ -86,6 +88,7 @@ class VllmBackend:
         self._beams: BeamRunner | None = None       # beam requests (``beams``)
         self._last_stats: EngineStats | None = None
         self._embeds_only = False      # an encoder on vLLM's pooling runner
+        self._activation: str | None = None   # a cross-encoder's (``core.scoring``), on the same runner
         self._ids = itertools.count()
         self._adapters: VllmAdapters | None = None  # option.enable_lora (``set_adapters``)
         self._figures = SchedulerFigures()          # vLLM's scheduler figures (KV and prefix cache, adapters)
@@ -167,40 +170,38 @@ class VllmBackend:
         """An encoder: vLLM's pooling runner serves it, for embeddings only."""
         return self._embeds_only
 
+    @property
+    def score_type(self) -> str | None:
+        """``cross-encoder`` on vLLM's classify task, ``bi-encoder`` for an encoder embedding, else None."""
+        return "cross-encoder" if self._activation is not None else "bi-encoder" if self._embeds_only else None
+
     def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
         """Inputs to embed, on vLLM's pooling runner (an encoder's engine). A generating engine does not embed: vLLM
         embeds with an engine of its own."""
         if not self._embeds_only:
-            raise Unprocessable("embeddings are not served on the vLLM backend for a generating model (vLLM embeds "
-                                "with an engine of its own, its pooling runner); serve the model with "
-                                "option.rolling_batch=auto or lean", param=request.param)
+            reason = ("this model is a cross-encoder: it scores pairs (POST /rerank, /score), and has no embeddings"
+                      if self._activation is not None else
+                      "embeddings are not served on the vLLM backend for a generating model (vLLM embeds with an "
+                      "engine of its own, its pooling runner); serve the model with option.rolling_batch=auto or lean")
+            raise Unprocessable(reason, param=request.param)
         self._check_ready()
         check_inputs(request, self.limits.max_model_len, self._vocab_size)
         job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), lambda: self.is_alive,
                            self._admission.timeout_error)
-        asyncio.run_coroutine_threadsafe(self._embed(job), self._loop)
+        asyncio.run_coroutine_threadsafe(pooling.embed(self._engine, job, self._ids), self._loop)
         return job
 
-    async def _embed(self, job: EmbeddingJob) -> None:
-        """Every input as a vLLM pooling request at once (vLLM batches them); the job answers all or none."""
-        from vllm import PoolingParams
-        from vllm.inputs import TokensPrompt
-
-        async def one(index: int, ids: tuple[int, ...]) -> list[float]:
-            outputs = self._engine.encode(TokensPrompt(prompt_token_ids=list(ids)), PoolingParams(task="embed"),
-                                          f"{job.request.request_id}-{index}-{next(self._ids)}")
-            last = None
-            async for output in outputs:
-                last = output
-            return last.outputs.data.tolist()
-
-        try:
-            vectors = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(job.take_all())))
-        except Exception as error:  # this request fails; the engine and other requests go on
-            log.exception("vLLM embedding %s failed", job.request.request_id)
-            job.fail(EngineError(f"embedding failed: {type(error).__name__}: {error}"))
-            return
-        job.put(torch.tensor(vectors, dtype=torch.float32))
+    def score(self, request: ScoreRequest) -> ScoreJob:
+        """Pairs for a cross-encoder, on vLLM's classify task; the logits through our activation."""
+        if self._activation is None:
+            raise BadRequest("this model is not a cross-encoder: it scores no pairs with a classifier head",
+                             param=request.param)
+        self._check_ready()
+        check_inputs(request, self.limits.max_model_len, self._vocab_size)
+        job = ScoreJob(request, self._admission.deadline(request.arrived_at), lambda: self.is_alive,
+                       self._admission.timeout_error, activation=self._activation)
+        asyncio.run_coroutine_threadsafe(pooling.score(self._engine, job, self._ids), self._loop)
+        return job
 
     def _new_sequence(self, state: RequestState, index: int) -> Sequence:
         return Sequence.create(state, index, self._vocab, self.limits.max_model_len)
@@ -230,7 +231,9 @@ class VllmBackend:
         self._vocab = prepared.vocabulary
         started = time.monotonic()
         kwargs = dict(prepared.engine_kwargs)
-        self._embeds_only = kwargs.get("runner") == "pooling"
+        is_pooling = kwargs.get("runner") == "pooling"
+        self._activation = prepared.activation if is_pooling else None
+        self._embeds_only = is_pooling and self._activation is None
         if "pooler_config" in kwargs:
             from vllm.config import PoolerConfig
 
@@ -245,14 +248,12 @@ class VllmBackend:
 
     async def _warm_up(self) -> None:
         """One short generation before /ping says ready, so the first request pays no first-call costs."""
-        from vllm import PoolingParams, SamplingParams
+        if self._embeds_only or self._activation is not None:  # one embedding, or one pair's score
+            await pooling.warm_up(self._engine, self._activation is not None)
+            return
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._embeds_only:
-            async for _ in self._engine.encode(TokensPrompt(prompt_token_ids=list(range(1, 9))),
-                                               PoolingParams(task="embed"), "warm-up"):
-                pass
-            return
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, detokenize=False)
         async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))), params, "warm-up"):
             pass

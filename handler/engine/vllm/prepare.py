@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from handler.config import Settings
 from handler.engine.core.request import Vocabulary
+from handler.engine.core.scoring import is_cross_encoder, read_activation
 from handler.engine.core.tokenizer import eos_token_ids, load_tokenizer
 from handler.engine.types import PromptParts
 from handler.engine.vllm.args import Placement, engine_environment, engine_kwargs
@@ -43,4 +44,5 @@ def prepare(settings: Settings, max_model_len: int,
     os.environ.update(engine_environment(settings, placement, dict(os.environ)))  # vLLM's processes inherit it
     vocabulary = Vocabulary(tokenizer.backend_tokenizer, eos_token_ids(settings.model_dir, tokenizer),
                             frozenset(tokenizer.all_special_ids))
-    return Prepared(kwargs, vocabulary)
+    activation = read_activation(model_config).name if is_cross_encoder(model_config) else None  # args checked it
+    return Prepared(kwargs, vocabulary, activation)
