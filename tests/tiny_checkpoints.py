@@ -99,7 +99,7 @@ def reference_embeddings(folder: Path, texts: list[str], mode: str, normalize: b
     return torch.stack(vectors)
 
 
-# The tiny cross-encoders' tokenizers know these words (so rerank texts tokenise into words, not characters).
+# What the tiny cross-encoders' tokenizers are trained on (so rerank texts tokenise into words, not characters).
 PAIR_CORPUS = ["The capital of France is Paris.", "Paris is a city in France with museums and cafes.",
                "Berlin is the capital of Germany.", "Deep learning models rank documents for a query.",
                "A cross-encoder reads the query and the document together.", "What is the capital of France?",
@@ -107,32 +107,27 @@ PAIR_CORPUS = ["The capital of France is Paris.", "Paris is a city in France wit
 
 
 def _pair_tokenizer(family: str):
-    """A small tokenizer of the family's own kind over ``PAIR_CORPUS``'s words (its vocabulary written out, so every
-    build is the same): BERT's WordPiece with its ``[CLS] a [SEP] b [SEP]`` pairs and token types, or XLM-RoBERTa's
-    Unigram with ``<s> a </s></s> b </s>``. A word outside the corpus is spelt in characters."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    """A small tokenizer of the family's own kind, trained here on ``PAIR_CORPUS``: BERT's WordPiece with its
+    ``[CLS] a [SEP] b [SEP]`` pairs and token types, or XLM-RoBERTa's Unigram with ``<s> a </s></s> b </s>``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertTokenizerFast, XLMRobertaTokenizerFast
 
-    text = " ".join(PAIR_CORPUS)
-    words = sorted({word.strip(".?,") for word in text.split()} - {""})
-    chars = sorted(set(text) - {" "} | set("abcdefghijklmnopqrstuvwxyz,.?!'-"))
     if family == "bert":
-        pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted({w.lower() for w in words}), *chars,
-                  *(f"##{c}" for c in chars)]
-        tokenizer = Tokenizer(models.WordPiece({piece: i for i, piece in enumerate(dict.fromkeys(pieces))},
-                                               unk_token="[UNK]"))
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.train_from_iterator(PAIR_CORPUS * 8, trainers.WordPieceTrainer(
+            vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
         tokenizer.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
         tokenizer.decoder = decoders.WordPiece()
         return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                                  cls_token="[CLS]", mask_token="[MASK]")
-    vocab = [(piece, 0.0) for piece in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")]
-    vocab += [(f"\u2581{word}", -1.0) for word in words] + [("\u2581", -3.0)] + [(c, -5.0) for c in chars]
-    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=3))
+    tokenizer = Tokenizer(models.Unigram())
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(PAIR_CORPUS * 8, trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], unk_token="<unk>"))
     tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     return XLMRobertaTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", sep_token="</s>",
                                    cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
@@ -144,7 +139,7 @@ def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64,
     ``XLMRobertaForSequenceClassification`` as bge-reranker), as ``save_pretrained`` writes one, with its own
     tokenizer (``_pair_tokenizer``). ``activation``: sentence-transformers' ``activation_fn`` in config.json;
     ``overrides``: config fields (layers, heads, ...) over the tiny sizes. The classifier head is drawn wide (std
-    4 / sqrt(hidden), the rest at 0.2) so the pairs' scores spread, short of sigmoid's flat ends."""
+    0.5, the rest at 0.2) so the pairs' scores spread."""
     from transformers import AutoModelForSequenceClassification, BertConfig, XLMRobertaConfig
 
     tokenizer = _pair_tokenizer(family)
@@ -163,7 +158,7 @@ def build_tiny_cross_encoder(path: Path, family: str = "bert", hidden: int = 64,
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.startswith("classifier") and name.endswith("weight"):
-                param.normal_(0.0, 4 / hidden**0.5)
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

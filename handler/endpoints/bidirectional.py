@@ -206,7 +206,8 @@ class Session:
     def _answer(self, conn: WatchedConnection, message: str | bytes) -> None:
         body = message.encode() if isinstance(message, str) else message
         record = request_log.start(new_request_id("req"), self.path)
-        call = Call(self.headers, lambda: bounded(body), record, on_client_gone=self._on_client_gone)
+        limit = self.endpoint.door.service.settings.max_request_size
+        call = Call(self.headers, lambda: bounded(body, limit), record, on_client_gone=self._on_client_gone)
         status = 500
         try:
             response = self.route(call)  # route functions answer their own errors, in their API's shape

@@ -108,7 +108,8 @@ def test_a_worker_killed_mid_stream_closes_its_streams_and_is_replaced(server: R
     for stream in streams:
         assert stream.started.wait(120) and stream.records, "a stream never started"
     (worker,) = worker_pids(server)
-    assert gauge(url, "llm_running_requests") == len(streams)
+    # a chat stream's first record (its role) comes before its first step: wait until all four hold a slot
+    assert wait_for(lambda: gauge(url, "llm_running_requests") == len(streams))
 
     os.kill(worker, signal.SIGKILL)
     for reader in readers:

@@ -43,11 +43,12 @@ def test_prefill_goes_to_the_better_priority_before_the_cheaper_prompt() -> None
     assert names(scheduler.waiting) == ["short"]
 
 
-def test_equal_priorities_keep_the_cheapest_first_rule() -> None:
+def test_equal_priorities_keep_the_short_chats_first_rule() -> None:
     scheduler = Scheduler(max_running=4, max_step_tokens=64)
     scheduler.add(request(100, "a", priority=3))
     scheduler.add(request(30, "b", priority=3))
-    assert sorted(chunks(scheduler.schedule())) == [("a", 0, 32), ("b", 0, 30)]
+    # the oldest's quarter, then the prompt that completes; a newcomer's first token keeps the step short
+    assert sorted(chunks(scheduler.schedule())) == [("a", 0, 16), ("b", 0, 30)]
 
 
 def test_a_stream_of_better_priorities_passes_a_request_for_a_bounded_number_of_steps() -> None:

@@ -102,17 +102,18 @@ class Scheduler:
         chunks: dict[Sequence, int] = {}
         work = [s for s in self.running if s.is_prefilling] + list(self.preempted) + list(self.waiting)
         oldest = min(work, key=lambda item: (_rank(item), _order(item)), default=None)
-        cheapest = sorted(work, key=lambda item: (_rank(item), _cost(item)))
         step = _Step(budget)
-        # the best priority's oldest piece of work first, with a quarter of the budget; then, by priority and
-        # cheapest first, the prompts that complete in this step; then unfinished chunks, unless a new request gets
+        # the best priority's oldest piece of work first, with a quarter of the budget; then priority by priority,
+        # cheapest first, the prompts that complete in this step, then unfinished chunks, unless a new request gets
         # its first token from this step
         self._add(step, oldest, max(budget // 4, 1), chunks)
-        for item in cheapest:
-            self._add(step, item, step.budget, chunks, whole=True)
-        if not step.first_token:
+        for _rank_of, group in itertools.groupby(sorted(work, key=lambda item: (_rank(item), _cost(item))), _rank):
+            cheapest = list(group)
             for item in cheapest:
-                self._add(step, item, step.budget, chunks)
+                self._add(step, item, step.budget, chunks, whole=True)
+            if not step.first_token:
+                for item in cheapest:
+                    self._add(step, item, step.budget, chunks)
         _count_passed(work, step.served)
         prefill = [(s, s.num_cached, length) for s, length in chunks.items()]
         return StepPlan(decode=sorted(self.running, key=self.space.sort_key), prefill=prefill)
