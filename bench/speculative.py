@@ -22,7 +22,9 @@ MODEL_DIR = Path("model_store/smollm2-135m-instruct")
 TOKENS = 96
 ROUNDS = 5
 DRAFT_LAYERS = 8
-ARTICLE = (Path(__file__).resolve().parents[1] / "README.md").read_text()[:2400]
+# the text to summarise: the opening of the README as it stood when the figures in docs/configuration.md were
+# measured, kept here so that a README edit does not change the benchmark's prompt
+ARTICLE = (Path(__file__).resolve().parent / "speculative_article.txt").read_text()
 PROMPTS = {
     "chat": "Write a short story about a lighthouse keeper.",
     "summarise": f"Summarise this text in a few sentences, using its own words:\n\n{ARTICLE}",

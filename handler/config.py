@@ -142,7 +142,7 @@ class Settings(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     enable_prefix_caching: bool = True                      # reuse whole 16-token blocks of earlier prompts
     # LoRA adapters (LMI's and vLLM's names): served when enable_lora; at most max_loras loaded at once (the least
-    # recently used unpinned one is evicted for a new one), each of rank at most max_lora_rank (README: Adapters)
+    # recently used unpinned one is evicted for a new one), each of rank at most max_lora_rank (docs/api.md: Adapters)
     enable_lora: bool = False
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1, le=512)
@@ -163,7 +163,7 @@ class Settings(BaseModel):
     responses_store_size: int = Field(1000, ge=0)
     responses_store_dir: str | None = None
     # the keys reasoning items' encrypted_content is sealed with (Fernet keys, comma-separated: the first seals, each
-    # opens; README: Responses API says what rotating means); unset: one generated at start, shared by the workers
+    # opens; docs/api.md, Responses API, says what rotating means); unset: one generated at start, shared by the workers
     responses_encryption_key: str | None = Field(None, repr=False)
     # Requests waiting for a batch slot; past it a request gets 429 at once. Below gunicorn's 128 threads minus
     # the batch, so the limit can be reached with the default thread count.

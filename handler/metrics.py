@@ -11,10 +11,10 @@ that into the gauges and the batch-size histogram. Request-level figures come fr
 
 Beside them, the names routers and autoscalers read (the Gateway API inference extension and llm-d, AIBrix, KEDA
 recipes, AIPerf): vLLM's ``vllm:*`` metrics, with vLLM's types, units, buckets and ``model_name`` label, filled from
-the same figures on every backend (README, "Metrics", has the table). Several workers are merged as the ``llm_*``
-ones are, except ``vllm:kv_cache_usage_perc``: each worker has its own KV cache, so it is computed when scraped, as
-the blocks all workers' running sequences hold over all their blocks. ``orca_header`` answers a request that asks for
-an ORCA load report (``endpoint-load-metrics-format``) as vLLM does.
+the same figures on every backend (docs/operations.md, "Metrics", has the table). Several workers are merged as the
+``llm_*`` ones are, except ``vllm:kv_cache_usage_perc``: each worker has its own KV cache, so it is computed when
+scraped, as the blocks all workers' running sequences hold over all their blocks. ``orca_header`` answers a request that
+asks for an ORCA load report (``endpoint-load-metrics-format``) as vLLM does.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ if schemathesis is not None:
     EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "instruction"}
 
     def is_responses_body(body: dict) -> bool:
-        """The /invocations sniffing rule (README: Responses API): a field embeddings lack, or items."""
+        """The /invocations sniffing rule (docs/api.md: Responses API): a field embeddings lack, or items."""
         items = body.get("input")
         return bool(body.keys() - EMBEDDING_FIELDS) or (isinstance(items, list) and any(
             isinstance(item, dict) for item in items))

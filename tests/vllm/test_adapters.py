@@ -6,7 +6,7 @@ runtime all run on vLLM's LoRA path. The tiny adapters are built with peft (pinn
 tools).
 
 Left out, and why: the eviction test reads the lean store's ``loaded`` flags and load / evict metrics (vLLM evicts
-adapters itself and reports neither: README), and the int8 test is about the lean engine's int8 rows.
+adapters itself and reports neither: docs/api.md, Adapters), and the int8 test is about the lean engine's int8 rows.
 
 The tiny llama is wider here (hidden 256: head_dim 64) because vLLM's CPU attention serves head sizes from 32 up
 (``CPUAttentionBackend.get_supported_head_sizes``) and the e2e one has head_dim 16; ``test_parallel.py`` widens it

@@ -127,7 +127,7 @@ def warn_retired(settings: Settings) -> None:
     codes per block of ``ACTIVATION_BLOCK`` inputs, the same integers on every CPU, in one pass: the answers ``all``
     gave, faster than ``none`` ran."""
     why = (f"the int8 layers' activations are 16-bit codes per block of {ACTIVATION_BLOCK} inputs, the same integers "
-           "on every CPU, in one pass (README: Numerics)")
+           "on every CPU, in one pass (docs/development.md: Numerics)")
     if settings.int8_split != "auto":
         log.warning("option.int8_split=%s is retired and ignored: %s", settings.int8_split, why)
     if os.environ.get("LLM_INT8_ACTIVATION_BITS"):

@@ -8,9 +8,9 @@ that complete in this step, cheapest first (fewest tokens left to compute, then 
 chunks of the rest, unless a request that joined the batch in this step completes its prompt in it: that step
 carries no other unfinished prefill than the oldest's quarter, so it takes a fraction of a full step.
 
-The bound that gives (README, "KV memory"): a request whose prompt fits what a step leaves it (the budget less the
-decode rows and the oldest's quarter; shared with others arriving together), and whose slot fits, gets its first
-token from the first step that starts after it arrives, whatever long prompts are prefilling; its time to first
+The bound that gives (docs/configuration.md, "KV memory"): a request whose prompt fits what a step leaves it (the budget
+less the decode rows and the oldest's quarter; shared with others arriving together), and whose slot fits, gets its
+first token from the first step that starts after it arrives, whatever long prompts are prefilling; its time to first
 token is at most the rest of the step in progress plus one short step.
 
 Priorities (``GenerationRequest.priority``, lower first) come before all of that: admission and prefill go to the

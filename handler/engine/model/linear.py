@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from handler.engine.model.kernels import GROUP, NORM_WIDTHS, cpu_flags, fused_silu_mul, int8_kernel
 
 # Inputs per activation block: each row's activations are quantised to 16-bit codes per block of this many, with one
-# scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (README "Numerics").
+# scale per block (``Int8DynamicLinear``). Measured with bench.quality against fp32 (docs/development.md, "Numerics").
 ACTIVATION_BLOCK = 128
 CODE_MAX = 32767.0  # int8_linear.c's CODE_MAX: activation codes lie in [-CODE_MAX, CODE_MAX]
 MAX_BLOCK = 512  # int8_linear.c's MAX_BLOCK: a block's int32 sums stay exact (512 * 32767 * 127 < 2^31)
@@ -38,8 +38,8 @@ class Int8DynamicLinear:
 
     Why 16-bit codes rather than 8: the activations then cost nothing measurable beyond the int8 weights' own
     rounding, so answers that hang on a near-tie do not turn on the last bits of the float kernels around the layer
-    (attention, norms), which differ between CPUs (README "Numerics"); and on AVX2 a 16-bit pair product is one
-    instruction where a signed 8-bit one takes three.
+    (attention, norms), which differ between CPUs (docs/development.md, "Numerics"); and on AVX2 a 16-bit pair product
+    is one instruction where a signed 8-bit one takes three.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block: int | None = None) -> None:
