@@ -20,7 +20,7 @@ PACKAGE = ROOT / "handler"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("base", ["handler.errors", "handler.config", "handler.start_cache", "handler.threads"]),
+    ("base", ["handler.errors", "handler.config", "handler.knobs", "handler.start_cache", "handler.threads"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
     ("process", ["handler.process"]),
