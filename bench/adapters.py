@@ -2,7 +2,7 @@
 same run.
 
 The embedded model as served (int8 on CPU) with ``option.enable_lora=true``; 4 PEFT adapters of rank 8 on every
-attention and MLP projection, built with peft (``tests/tiny_adapters.py``: random ``lora_B``, so each adapter
+attention and MLP projection, built with peft (``tests/support/tiny_adapters.py``: random ``lora_B``, so each adapter
 changes the answers). Each round sends 16 concurrent completions of 64 tokens (greedy, ``ignore_eos``), all on the
 base model or 4 on each adapter (by the adapter header), order alternating between rounds; the median round's
 aggregate tokens/s is printed with the ratio. Loopback only; nothing else should run meanwhile (2 cores).
@@ -46,7 +46,7 @@ def one_round(url: str, with_adapters: bool) -> float:
 def main() -> None:
     from handler.config import DEFAULT_MODEL_DIR
     from tests.e2e.conftest import start_server, stop_server
-    from tests.tiny_adapters import build_adapter
+    from tests.support.tiny_adapters import build_adapter
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

@@ -1,7 +1,7 @@
 """S3 download throughput (issue #28): our downloader against boto3's own transfer manager, same run, same data.
 
 A 1 GB checkpoint split in 4 safetensors shards (plus its small files) sits in the S3 stand-in (moto's server on
-loopback, tests/s3_stand_in.py). Each round downloads it into an empty folder twice, order alternating:
+loopback, tests/support/s3_stand_in.py). Each round downloads it into an empty folder twice, order alternating:
 - ours: ``handler.download.s3.S3Source`` as a start runs it (every file submitted at once to one s3transfer
   ``TransferManager``: 32 MiB ranged GETs, 16 in flight);
 - boto3: ``client.download_file`` per object, one after another, boto3's defaults (its transfer manager: 8 MiB
@@ -54,7 +54,7 @@ def boto3_defaults(root: Path) -> None:
 
 
 def main() -> None:
-    from tests.s3_stand_in import S3StandIn
+    from tests.support.s3_stand_in import S3StandIn
 
     with S3StandIn() as stand_in, tempfile.TemporaryDirectory() as scratch:
         os.environ.update(stand_in.env)

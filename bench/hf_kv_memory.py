@@ -28,7 +28,7 @@ from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.lean.engine import Engine, wait_until_ready
 from handler.engine.lean.load import KVMemory, LoadOptions, load
 from handler.engine.types import GenerationRequest, StopConditions
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
         "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 4096}

@@ -1,7 +1,8 @@
 """Issue #17's scenario: hostile and unlucky traffic at once, while /ping and a normal chat are measured.
 
-Serves a tiny vision-language model (``tests.vision_fixture``, built locally) on a free loopback port, with a loopback
-image server that answers after --image-delay seconds allow-listed (``tests.vision_fixture.SlowImageServer``).
+Serves a tiny vision-language model (``tests.support.vision_fixture``, built locally) on a free loopback port, with a
+loopback image server that answers after --image-delay seconds allow-listed
+(``tests.support.vision_fixture.SlowImageServer``).
 Then, for --seconds:
   - --stalled connections trickle a request head one byte every 2 s and --idle ones send nothing, re-opened as soon
     as the server closes them (``bench.slow_clients.Attackers``);
@@ -33,7 +34,7 @@ import requests
 
 from bench.slow_clients import Attackers
 from tests.e2e.conftest import start_tiny_vlm, stop_server
-from tests.vision_fixture import SlowImageServer
+from tests.support.vision_fixture import SlowImageServer
 
 
 def worker_pid(master_pid: int) -> int | None:

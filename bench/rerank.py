@@ -43,7 +43,7 @@ def main() -> None:
     from handler.engine.lean.load import LoadOptions, load
     from handler.prompt.renderer import PromptRenderer
     from handler.protocol.rerank import ScoringAsk
-    from tests.tiny_checkpoints import PAIR_CORPUS, build_tiny_cross_encoder
+    from tests.support.tiny_checkpoints import PAIR_CORPUS, build_tiny_cross_encoder
 
     torch.set_num_threads(2)
     folder = build_tiny_cross_encoder(Path(tempfile.mkdtemp(prefix="rerank-bench-")) / "minilm", "bert",

@@ -9,7 +9,7 @@ otherwise), on loopback ports:
   (together past the default 1,000-connection cap; re-opened when cut), ~7k-token prompts one after another,
   fuzzed JSON bodies, malformed HTTP, and disconnect storms (--storm long requests opened, then dropped at once,
   streams and non-streaming in turn, --storms times spread over the run).
-- **vision**: a tiny Idefics3 (``tests.vision_fixture``, built locally). The embedded model serves text only (an
+- **vision**: a tiny Idefics3 (``tests.support.vision_fixture``, built locally). The embedded model serves text only (an
   image to it is a 400 before any fetch), so the image attacks need a vision model; they go to this one, beside its
   own ordinary traffic (small inline images, streamed and not): --slow-images clients whose image host answers after
   60 s (more than the worker's fetch slots), and pixel bombs (eight 6000x6000 PNGs of 116 KB in one request).
@@ -70,7 +70,7 @@ from bench.soak_traffic import (
 )
 from tests.e2e.conftest import RunningServer, start_server, start_tiny_vlm, stop_server, wait_for_ping
 from tests.e2e.test_worker_death import StreamClient, requests_counted, worker_pids
-from tests.vision_fixture import ImageServer, SlowImageServer, png_bytes
+from tests.support.vision_fixture import ImageServer, SlowImageServer, png_bytes
 
 OUT = Path(__file__).resolve().parent / "out"
 PING_EVERY_S = 0.5

@@ -30,7 +30,7 @@ import requests
 from bench.load import request_for, stream_records
 from tests.e2e.test_fuzz import BIG_NUMBERS, CHAT_FIELDS, LEGACY_PARAMETERS, RAW_TOKENS, UNICODE_EDGES, put, serialise
 from tests.e2e.test_transport import read_response
-from tests.vision_fixture import png_bytes
+from tests.support.vision_fixture import png_bytes
 
 HANG_MARGIN_S = 30.0           # past the server's request deadline, an unanswered request counts as hung
 CLEAR_REFUSALS = {429, 503, 504}

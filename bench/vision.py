@@ -11,8 +11,8 @@
    chat requests, each with a different 1024x1024 JPEG (8 by URL from the loopback server, 8 as base64 data URIs),
    max_tokens 8: peak RSS, peak minus idle, VmHWM before/after, wall time, and whether all 16 succeeded.
 
-Both use the tiny random Idefics3 (SmolVLM architecture) of ``tests.vision_fixture``: its vision tower is a toy, so
-(d) and the memory a tile's activations take are far below a real checkpoint's. ``--smolvlm-shape`` (minutes)
+Both use the tiny random Idefics3 (SmolVLM architecture) of ``tests.support.vision_fixture``: its vision tower is a
+toy, so (d) and the memory a tile's activations take are far below a real checkpoint's. ``--smolvlm-shape`` (minutes)
 builds a random-weight model of SmolVLM-256M's exact shape and times one processor + tower pass for scale.
 Nothing leaves the machine: every connection is to 127.0.0.1.
 
@@ -41,7 +41,7 @@ from PIL import Image
 from bench.run import start, stop
 from handler.engine.model.vision import VisionEncoder
 from handler.images import DecodeLimits, FetchPolicy, decode_image_bytes, fetch_image_bytes
-from tests.vision_fixture import ImageServer
+from tests.support.vision_fixture import ImageServer
 
 SIDE = 1024
 BURST = 16
@@ -249,7 +249,7 @@ def build_smolvlm_shape(path: Path) -> Path:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
-    from tests.vision_fixture import IDEFICS3_TEMPLATE, IDEFICS3_TOKENS, SMOLLM2_DIR, _save, _tokenizer
+    from tests.support.vision_fixture import IDEFICS3_TEMPLATE, IDEFICS3_TOKENS, SMOLLM2_DIR, _save, _tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -298,14 +298,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smolvlm-shape", action="store_true", help="also time SmolVLM-256M's shape (minutes)")
     args = parser.parse_args()
-    from tests.vision_fixture import build_tiny_vlm
+    from tests.support.vision_fixture import build_tiny_vlm
 
     print(f"bench.vision: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), loopback only; load average "
           f"{os.getloadavg()[0]:.2f} (other jobs share these cores)")
-    print("NOTE: sections 1 and 2 use tests.vision_fixture's tiny random Idefics3 (SmolVLM architecture): vision tower "
-          "of 2 layers, hidden 32, 64-px tiles, 16 tokens a tile, images resized to 256 px longest edge. The tower "
-          "and its activations are toys; see --smolvlm-shape for a real-sized tower.")
+    print("NOTE: sections 1 and 2 use tests.support.vision_fixture's tiny random Idefics3 (SmolVLM architecture): "
+          "vision tower of 2 layers, hidden 32, 64-px tiles, 16 tokens a tile, images resized to 256 px longest edge. "
+          "The tower and its activations are toys; see --smolvlm-shape for a real-sized tower.")
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as name:
         tmp = Path(name)
         model_dir = build_tiny_vlm(tmp / "tiny-idefics3")

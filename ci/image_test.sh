@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the image (ci/image.sh), start it the way SageMaker does (`IMAGE serve`, SAGEMAKER_BIND_TO_PORT), and check
 # /ping, a legacy request, a chat request, a streamed request, and a clean stop on SIGTERM (exit 0, not 137). Then
-# a Hub id in the image: HF_MODEL_ID=org/smollm2 downloaded from a loopback Hub stand-in (tests/hub_stand_in.py)
+# a Hub id in the image: HF_MODEL_ID=org/smollm2 downloaded from a loopback Hub stand-in (tests/support/hub_stand_in.py)
 # through HF_ENDPOINT, served, and answering.
 # Loopback only: host networking with the server bound to 127.0.0.1. The container is removed by id, always.
 #   IMAGE (sagemaker-llm:latest)  SKIP_BUILD=1 to test an image already built  READY_TIMEOUT (300 s)
@@ -121,7 +121,7 @@ cid=""
 podman run --rm --entrypoint python "$IMAGE" -c "import djl_python.encode_decode, boto3, huggingface_hub" \
   || fail "the image lacks djl_python, boto3 or huggingface_hub"
 hub_log=$(mktemp)
-.venv/bin/python -m tests.hub_stand_in org/smollm2=model_store/smollm2-135m-instruct >"$hub_log" 2>&1 &
+.venv/bin/python -m tests.support.hub_stand_in org/smollm2=model_store/smollm2-135m-instruct >"$hub_log" 2>&1 &
 hub_pid=$!
 trap 'cleanup; kill $hub_pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do grep -q '^http' "$hub_log" && break; sleep 0.1; done

@@ -4,7 +4,8 @@ Precedence, highest first (LMI's rules, so LMI users can move over):
 - ``HF_MODEL_ID`` for ``option.model_id``; ``OPTION_FOO_BAR=x`` for ``option.foo_bar`` (the part after ``OPTION_``
   is lower-cased only when it is all upper case, so ``OPTION_entryPoint`` keeps its case; ``_`` never becomes ``.``);
 - every other environment name (TGI's, SageMaker's, ours for the process) when ours are unset: ``ENV_NAMES``, the
-  one table of them (nothing else in the server reads an environment name for a setting);
+  one table of them (nothing else in the server reads an environment name for a setting; the process's own knobs,
+  ``LLM_*``, which kernels run and where the start caches live, are ``handler.knobs.KNOBS``);
 - the properties file: ``$SERVING_PROPERTIES``, else ``serving.properties`` in the model directory, else the one
   shipped at the repository root.
 The model: ``option.model_id`` when set (a local folder, a Hub id ``org/name`` or an ``s3://`` prefix, the last two
@@ -30,7 +31,8 @@ from handler.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "model_store" / "smollm2-135m-instruct"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
-# Environment name -> the setting it fills when serving.properties and OPTION_* leave it unset.
+# Environment name -> the setting it fills when serving.properties and OPTION_* leave it unset. (The LLM_* knobs,
+# which are no setting, are handler.knobs.KNOBS: the model code reads them there and never imports this module.)
 ENV_NAMES = {
     # TGI's (MAX_CONCURRENT_REQUESTS counts running and waiting requests in TGI; ours bounds the waiting ones only)
     "MAX_BATCH_SIZE": "max_rolling_batch_size",

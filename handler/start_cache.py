@@ -15,9 +15,11 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from handler.knobs import path_knob
+
 
 def home() -> Path:
-    return Path(os.environ.get("LLM_INT8_CACHE", Path.home() / ".cache" / "sagemaker-llm" / "int8"))
+    return path_knob("LLM_INT8_CACHE")
 
 
 def name_for(model_dir: Path, settings: str, sources: Iterable[str]) -> str:

@@ -72,11 +72,11 @@ def start_server(tmp_path: Path, env: dict[str, str] | None = None, port: int | 
 
 
 def start_tiny_vlm(tmp_path: Path, env: dict[str, str] | None = None, head_dim: int = 16) -> RunningServer:
-    """The server on the tiny Idefics3 of ``tests.vision_fixture`` (built in ``tmp_path``), otherwise with the
+    """The server on the tiny Idefics3 of ``tests.support.vision_fixture`` (built in ``tmp_path``), otherwise with the
     shipped settings. Two differ, and why: ``option.model_id`` (the embedded model is no vision model), and
     ``option.image_fetch_allowed_hosts=127.0.0.1``, because these tests' image server is on loopback, which the
     shipped SSRF rules refuse (tests/unit/test_image_fetch.py proves that refusal)."""
-    from tests.vision_fixture import build_tiny_vlm  # torch: only the tests that serve a VLM pay for it
+    from tests.support.vision_fixture import build_tiny_vlm  # torch: only the tests that serve a VLM pay for it
 
     model_dir = build_tiny_vlm(tmp_path / "tiny-idefics3", head_dim=head_dim)
     return start_server(tmp_path, env={"OPTION_MODEL_ID": str(model_dir),

@@ -4,8 +4,8 @@ The server runs two workers (SAGEMAKER_MODEL_SERVER_WORKERS=2; the shipped defau
 here is that ``POST /adapters`` and ``DELETE /adapters/{name}``, which reach one worker, hold for requests that
 reach the other. Each request opens its own connection, and the request log's ``pid`` says which worker answered:
 the tests go on until both have, so they cannot pass on one worker alone. S3 is moto's server on loopback
-(``tests/s3_stand_in.py``); an adapter downloaded from it must give the tokens the same adapter gives from a local
-folder.
+(``tests/support/s3_stand_in.py``); an adapter downloaded from it must give the tokens the same adapter gives from a
+local folder.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.s3_stand_in import S3StandIn
-from tests.tiny_adapters import build_adapter
-from tests.tiny_checkpoints import build_tiny
+from tests.support.s3_stand_in import S3StandIn
+from tests.support.tiny_adapters import build_adapter
+from tests.support.tiny_checkpoints import build_tiny
 
 IDENTIFIER = "X-Amzn-SageMaker-Adapter-Identifier"
 PROMPT = list(range(300, 340))

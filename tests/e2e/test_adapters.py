@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, metric, start_server, stop_server
-from tests.tiny_adapters import build_adapter, peft_greedy
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_adapters import build_adapter, peft_greedy
+from tests.support.tiny_checkpoints import build_tiny
 
 IDENTIFIER = "X-Amzn-SageMaker-Adapter-Identifier"
 NUM_TOKENS = 8

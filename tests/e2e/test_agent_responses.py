@@ -3,7 +3,8 @@
 (``store: false``) sends the items back, the reasoning as only its sealed blob, as Codex CLI does; the server opens
 it and renders it as the model's template renders earlier reasoning, so the answer and its prompt are the stored
 path's (``previous_response_id``) exactly. The template renders reasoning within a tool-calling turn, so the
-conversation is one: the model (``tests/agent_model.py``) reasons, calls ``exec_command``, and answers its output.
+conversation is one: the model (``tests/support/agent_model.py``) reasons, calls ``exec_command``, and answers its
+output.
 
 Settings as shipped except ``option.model_id`` (the agent model, not the embedded one). Also run against vLLM by
 ``tests/vllm/test_contract.py`` (the model's heads are 64 wide, as vLLM's CPU attention needs).
@@ -16,8 +17,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.agent_model import ANSWER, COMMAND, REASONING, build_agent_llama
 from tests.e2e.conftest import RunningServer, start_server, stop_server
+from tests.support.agent_model import ANSWER, COMMAND, REASONING, build_agent_llama
 
 EXEC = {"type": "function", "name": "exec_command", "description": "Run a shell command", "strict": False,
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}

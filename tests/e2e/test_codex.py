@@ -6,8 +6,8 @@ provider (``wire_api = "responses"``, ``base_url`` the server's ``/v1``), config
 model's call to ``exec_command`` is run by Codex and its output comes back in a second request, with the reasoning
 item sealed as the server gave it, and the model answers it.
 
-The model is ``tests/agent_model.py``'s scripted agent (it reasons, calls ``exec_command`` with ``echo hi``, then
-answers ``Done.``) with a 32768-token context, since Codex's first request would not fit the embedded model's 8192.
+The model is ``tests/support/agent_model.py``'s scripted agent (it reasons, calls ``exec_command`` with ``echo hi``,
+then answers ``Done.``) with a 32768-token context, since Codex's first request would not fit the embedded model's 8192.
 Settings differ from the shipped ones in these, and why: ``option.model_id`` (that model); ``option.max_model_len``
 (its whole context: the default caps it at 8192); ``option.log_prompts`` (the second request's items are read from the
 request log); ``option.request_timeout=600`` (the first request's ~11k-token prefill on this shared 2-core machine).
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_model import ANSWER, COMMAND, build_agent_llama
 from tests.e2e.conftest import RunningServer, start_server, stop_server
+from tests.support.agent_model import ANSWER, COMMAND, build_agent_llama
 
 CODEX = os.environ.get("CODEX_BIN")
 pytestmark = pytest.mark.skipif(not CODEX, reason="CODEX_BIN is not set (make test-agents installs Codex CLI)")

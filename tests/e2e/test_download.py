@@ -1,5 +1,5 @@
 """Models from the Hub and S3, downloaded at start, through ``python -m handler serve`` against loopback stand-ins
-(tests/hub_stand_in.py through ``HF_ENDPOINT``; moto's S3 server through ``AWS_ENDPOINT_URL_S3``).
+(tests/support/hub_stand_in.py through ``HF_ENDPOINT``; moto's S3 server through ``AWS_ENDPOINT_URL_S3``).
 
 Served from either source, a tiny checkpoint gives the greedy tokens it gives from its folder. /ping answers 503
 while the download runs and the log shows its progress; a connection cut mid-shard is resumed; a start
@@ -26,9 +26,9 @@ import torch
 
 from tests.e2e.conftest import REPO_ROOT, free_port, start_server, stop_server
 from tests.e2e.test_model_reach import served_tokens
-from tests.hub_stand_in import HubStandIn
-from tests.s3_stand_in import S3StandIn
-from tests.tiny_checkpoints import build_tiny
+from tests.support.hub_stand_in import HubStandIn
+from tests.support.s3_stand_in import S3StandIn
+from tests.support.tiny_checkpoints import build_tiny
 
 PROMPT = "The weather today is"
 

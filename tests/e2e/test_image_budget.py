@@ -1,4 +1,4 @@
-"""A request's images under budgets, through the real server and the tiny Idefics3 of ``tests.vision_fixture``:
+"""A request's images under budgets, through the real server and the tiny Idefics3 of ``tests.support.vision_fixture``:
 a slow image server on loopback (allow-listed; nothing leaves the machine) shows a request's URLs fetched at once,
 the fetch budget ending a request, the worker's fetch cap answering 429; a pixel bomb under every per-image limit
 is refused from its headers with a 400 naming the total-pixel limit.
@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, metric, start_tiny_vlm, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, SlowImageServer, png_bytes
+from tests.support.vision_fixture import SMOLLM2_DIR, SlowImageServer, png_bytes
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 

@@ -18,8 +18,8 @@ import requests
 import torch
 
 from tests.e2e.conftest import REPO_ROOT, start_server, stop_server
-from tests.tiny_checkpoints import build_tiny
-from tests.vision_fixture import build_tiny_vlm
+from tests.support.tiny_checkpoints import build_tiny
+from tests.support.vision_fixture import build_tiny_vlm
 
 LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}}

@@ -1,6 +1,6 @@
 """A thinking model's answer split through the real server (``python -m handler serve``: gunicorn, the lean engine,
-int8 as shipped), read by the unchanged openai SDK. The model is ``tests/thinking_model.py``'s chain llama: greedy
-decoding writes ``<think>The user asks about France.</think>Paris!`` with Qwen3's real chat template.
+int8 as shipped), read by the unchanged openai SDK. The model is ``tests/support/thinking_model.py``'s chain llama:
+greedy decoding writes ``<think>The user asks about France.</think>Paris!`` with Qwen3's real chat template.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.thinking_model import QUESTION, TRANSCRIPT, build_thinking_llama, raw_completion
+from tests.support.thinking_model import QUESTION, TRANSCRIPT, build_thinking_llama, raw_completion
 
 
 @pytest.fixture(scope="module")

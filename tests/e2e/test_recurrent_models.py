@@ -15,7 +15,7 @@ import torch
 
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.test_model_reach import serve_and_fail
-from tests.tiny_checkpoints import SMOLLM2_DIR, build_tiny
+from tests.support.tiny_checkpoints import SMOLLM2_DIR, build_tiny
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from handler.engine.model.processor import load_processor
 from tests.e2e.conftest import start_server, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, build_tiny_vlm
+from tests.support.vision_fixture import SMOLLM2_DIR, build_tiny_vlm
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 

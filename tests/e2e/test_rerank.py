@@ -23,7 +23,7 @@ DOCUMENTS = ["Paris is the capital of France.", "Cats sleep most of the day.", "
 @pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
 def reranker(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A server of a tiny random cross-encoder (head size 64: the vLLM contract run serves it too)."""
-    from tests.tiny_checkpoints import build_tiny_cross_encoder
+    from tests.support.tiny_checkpoints import build_tiny_cross_encoder
 
     folder = build_tiny_cross_encoder(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}-reranker",
                                       request.param, hidden=256)
@@ -34,7 +34,7 @@ def reranker(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
 
 @pytest.fixture(scope="module")
 def expected(reranker: tuple[str, Path]) -> torch.Tensor:
-    from tests.tiny_checkpoints import reference_scores
+    from tests.support.tiny_checkpoints import reference_scores
 
     return reference_scores(reranker[1], [(QUERY, document) for document in DOCUMENTS])
 
@@ -47,7 +47,7 @@ def by_index(results: list[dict], key: str) -> torch.Tensor:
 
 
 def test_tei_rerank(reranker: tuple[str, Path], expected: torch.Tensor) -> None:
-    from tests.tiny_checkpoints import reference_scores
+    from tests.support.tiny_checkpoints import reference_scores
 
     url = reranker[0]
     ranks = post(url, {"query": QUERY, "texts": DOCUMENTS}, "/rerank").json()
@@ -75,7 +75,7 @@ def test_cohere_shaped_rerank(reranker: tuple[str, Path], expected: torch.Tensor
 
 
 def test_score_one_to_many_and_one_to_one(reranker: tuple[str, Path], expected: torch.Tensor) -> None:
-    from tests.tiny_checkpoints import reference_scores
+    from tests.support.tiny_checkpoints import reference_scores
 
     url, folder = reranker
     body = post(url, {"model": "m", "text_1": QUERY, "text_2": DOCUMENTS}, "/score").json()
@@ -138,7 +138,7 @@ def test_tei_truncate_cuts_what_would_not_fit(reranker: tuple[str, Path]) -> Non
 
 def test_an_embedding_model_scores_by_cosine(bert_url: tuple[str, Path]) -> None:  # noqa: F811
     """As vLLM scores with an embedding model: each pair's score is the cosine of the two texts' embeddings."""
-    from tests.tiny_checkpoints import reference_embeddings
+    from tests.support.tiny_checkpoints import reference_embeddings
 
     url, folder = bert_url
     vectors = reference_embeddings(folder, [QUERY, *DOCUMENTS], "mean", True)

@@ -5,7 +5,7 @@ and boto3's SessionId through the local runtime.
 Two workers (SAGEMAKER_MODEL_SERVER_WORKERS=2; the shipped default is one) because a session opened on one worker
 must be usable, and once closed refused, on the other: each request opens a connection of its own, and the request
 log's ``pid`` says which worker answered, so the tests go on until both have. The model is a tiny checkpoint
-(``tests.tiny_checkpoints``): what is proven is the contract, not the text.
+(``tests.support.tiny_checkpoints``): what is proven is the contract, not the text.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, local_runtime, runtime_client, start_server, stop_server
-from tests.tiny_adapters import build_adapter
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_adapters import build_adapter
+from tests.support.tiny_checkpoints import build_tiny
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"

@@ -1,5 +1,5 @@
 """Images through the real server into a real (tiny, random) vision-language model: Idefics3, SmolVLM's
-architecture, built by ``tests.vision_fixture`` and served with ``option.model_id``.
+architecture, built by ``tests.support.vision_fixture`` and served with ``option.model_id``.
 
 Images arrive as data: URIs, bare base64 (LMI), Azure's ``image`` part and http URLs served by a loopback server
 in this test (allow-listed with ``option.image_fetch_allowed_hosts``). A second loopback listener, not allow-listed,
@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, start_tiny_vlm, stop_server
-from tests.vision_fixture import SMOLLM2_DIR, ImageServer, png_bytes
+from tests.support.vision_fixture import SMOLLM2_DIR, ImageServer, png_bytes
 
 pytestmark = pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason="the embedded model is not assembled (make model)")
 

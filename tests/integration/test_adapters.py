@@ -13,8 +13,8 @@ from handler.engine.backend import EngineLimits
 from handler.engine.lean.engine import Engine, wait_until_ready
 from handler.engine.types import GenerationRequest, StopConditions
 from handler.errors import BadRequest, Conflict, NotFound
-from tests.tiny_adapters import build_adapter, peft_greedy
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_adapters import build_adapter, peft_greedy
+from tests.support.tiny_checkpoints import build_tiny
 
 NUM_TOKENS = 8
 # prompts over two prefix-cache blocks (16 tokens each), so cached prefixes are in play

@@ -15,8 +15,8 @@ import pytest
 
 from handler.errors import BadRequest
 from tests.integration.test_adapters import lora_engine, request, tokens_and_logprobs
-from tests.tiny_adapters import build_adapter, peft_greedy
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_adapters import build_adapter, peft_greedy
+from tests.support.tiny_checkpoints import build_tiny
 
 NUM_TOKENS = 8
 PROMPTS = {"fused": list(range(300, 340)), None: list(range(700, 735))}

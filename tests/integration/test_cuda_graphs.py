@@ -24,7 +24,7 @@ from handler.engine.runners.cuda_graphs import why_eager
 from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.types import GenerationRequest, SamplingParams, StopConditions
 from tests.integration.conftest import DEVICE
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 MAX_LEN = 512
 on_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (ENGINE_TEST_DEVICE=cuda)")

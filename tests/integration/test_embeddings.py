@@ -13,7 +13,7 @@ from handler.engine.lean.engine import Engine, wait_until_ready
 from handler.engine.lean.load import LoadOptions, load
 from handler.engine.types import EmbeddingRequest, GenerationRequest
 from handler.errors import BadRequest
-from tests.tiny_checkpoints import (
+from tests.support.tiny_checkpoints import (
     add_sentence_transformers_config,
     build_tiny,
     build_tiny_bert,

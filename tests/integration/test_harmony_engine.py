@@ -26,7 +26,7 @@ from handler.parsing.reasoning import HARMONY_TOKENS
 from handler.prompt.renderer import PromptRenderer
 from handler.service import RequestDefaults
 from tests.integration.conftest import post
-from tests.tiny_checkpoints import SMOLLM2_DIR, TINY
+from tests.support.tiny_checkpoints import SMOLLM2_DIR, TINY
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "templates" / "openai-gpt-oss-120b.jinja"
 GPT_OSS = {"head_dim": 16, "sliding_window": 48, "num_local_experts": 4, "num_experts_per_tok": 2,

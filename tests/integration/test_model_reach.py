@@ -23,7 +23,7 @@ from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
 from tests.integration.test_reference_path import PROMPTS, reference_tokens
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 GRANITE = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
            "logits_scaling": 4.0}

@@ -14,7 +14,7 @@ from handler.config import DEFAULT_MODEL_DIR
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path, make_engine
 from tests.integration.test_engine_small import collect
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A stitch in time saves nine. The capital of France is Paris, "
         "and the capital of Italy is Rome. Water boils at one hundred degrees Celsius at sea level.")

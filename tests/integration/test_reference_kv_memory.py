@@ -17,7 +17,7 @@ from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
 from tests.integration.test_reference_path import reference_tokens
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 # gemma (not on the lean path) with 8 KV heads of 64: 2 layers x 2 x 8 x 64 x 4 bytes = 8 KiB a position
 WIDE_GEMMA = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64}

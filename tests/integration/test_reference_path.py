@@ -13,7 +13,7 @@ import torch
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
 from tests.integration.test_engine_small import collect
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 # model type -> config overrides a tiny checkpoint needs (MoE: a few small experts)
 FAMILIES = {

@@ -18,7 +18,7 @@ from handler.engine.model.support import UnsupportedModel
 from handler.engine.model.vision import ImageProcessor
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.integration.conftest import engine_on_path
-from tests.vision_fixture import build_tiny_vlm
+from tests.support.vision_fixture import build_tiny_vlm
 
 MAX_NEW = 8
 IMAGE_REQUIRED = {"paligemma"}  # families whose processor refuses a prompt without an image

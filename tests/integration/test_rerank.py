@@ -20,7 +20,7 @@ from handler.errors import BadRequest
 from handler.prompt.pairs import Cut
 from handler.prompt.renderer import PromptRenderer
 from handler.protocol.rerank import ScoringAsk
-from tests.tiny_checkpoints import build_tiny, build_tiny_cross_encoder, reference_scores
+from tests.support.tiny_checkpoints import build_tiny, build_tiny_cross_encoder, reference_scores
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Paris is the capital of France.", "Cats sleep most of the day.", "Berlin is the capital of Germany.",

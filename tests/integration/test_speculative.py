@@ -102,7 +102,7 @@ def plain(tokenizer) -> Iterator[tuple[list[Answer], list[Answer]]]:
 
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_checkpoints import build_tiny
+    from tests.support.tiny_checkpoints import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("draft") / "tiny-llama", "llama")
 

@@ -23,7 +23,7 @@ from handler.engine.model.vision import (
     text_config,
     text_state_dict,
 )
-from tests.vision_fixture import build_tiny_vlm
+from tests.support.vision_fixture import build_tiny_vlm
 
 CPU = torch.device("cpu")
 

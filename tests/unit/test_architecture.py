@@ -20,7 +20,7 @@ PACKAGE = ROOT / "handler"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("base", ["handler.errors", "handler.config", "handler.start_cache", "handler.threads"]),
+    ("base", ["handler.errors", "handler.config", "handler.knobs", "handler.start_cache", "handler.threads"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
     ("process", ["handler.process"]),
@@ -53,6 +53,9 @@ ROOMS = {
     "vllm": {"types", "backend", "core", "model.vision"},
 }
 BACKENDS = ("lean", "vllm")
+# What a room may not import of the base layer, narrower than the layers' rule: the model code is given what it needs
+# of the settings as arguments (by ``lean.load``), and reads its kernels' environment knobs in ``handler.knobs``.
+ROOMS_FORBIDDEN = {"model": {"handler.config"}}
 
 
 def module_name(path: Path) -> str:
@@ -148,6 +151,28 @@ def test_the_room_rule_fails_on_a_backend_importing_the_other() -> None:
     allowed = {f"{ENGINE}.{name}" for name in ROOMS["vllm"] | {"vllm"}}
     assert any(t.startswith(ENGINE + ".") and not any(t == a or t.startswith(a + ".") for a in allowed)
                for t in edges)
+
+
+def forbidden_imports(module: str, imports: set[str]) -> list[str]:
+    """What ``module`` imports that its room may not (``ROOMS_FORBIDDEN``), the room's own package included."""
+    room = module.split(".")[2] if module.startswith(ENGINE + ".") else None
+    forbidden = ROOMS_FORBIDDEN.get(room, set())
+    return sorted(t for t in imports if any(t == f or t.startswith(f + ".") for f in forbidden))
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[:3] == ["handler", "engine", "model"]))
+def test_the_model_code_takes_its_settings_as_arguments(module: str) -> None:
+    hits = forbidden_imports(module, MODULES[module])
+    assert hits == [], f"{module} imports {hits}: pass the model code what it needs of the settings as arguments"
+
+
+def test_the_settings_rule_fails_on_model_code_importing_the_settings() -> None:
+    """The check itself: the int8 Linear importing ``handler.config`` (``from handler import config`` too) breaks
+    it."""
+    module = f"{ENGINE}.model.linear"
+    assert forbidden_imports(module, MODULES[module] | {"handler.config"}) == ["handler.config"]
+    assert forbidden_imports(f"{ENGINE}.model", {"handler", "handler.config"}) == ["handler.config"]
+    assert forbidden_imports(f"{ENGINE}.lean.load", MODULES[f"{ENGINE}.lean.load"]) == []
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

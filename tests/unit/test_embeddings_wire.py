@@ -16,7 +16,7 @@ from handler.engine.types import Embeddings, Pooling
 from handler.formatting.embeddings import embedding_list
 from handler.protocol.common import parse_model
 from handler.protocol.embeddings import EmbeddingRequestBody
-from tests.tiny_checkpoints import add_sentence_transformers_config
+from tests.support.tiny_checkpoints import add_sentence_transformers_config
 
 
 def test_without_sentence_transformers_files_decoders_pool_the_last_token_and_encoders_the_first(tmp_path) -> None:

@@ -323,7 +323,7 @@ def test_speculative_decoding_maps_onto_vllms_speculative_config() -> None:
 
 
 def test_an_encoder_runs_on_vllms_pooling_runner_with_our_pooling(tmp_path: Path) -> None:
-    from tests.tiny_checkpoints import add_sentence_transformers_config
+    from tests.support.tiny_checkpoints import add_sentence_transformers_config
 
     add_sentence_transformers_config(tmp_path, "cls", False)
     bert = {"model_type": "bert", "num_attention_heads": 4, "num_hidden_layers": 2}

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.tiny_checkpoints import build_tiny
+from tests.support.tiny_checkpoints import build_tiny
 
 PROMPT = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 24, "ignore_eos": True,
                                                                "details": True}}

@@ -1,7 +1,7 @@
 """A thinking model on vLLM (``option.rolling_batch=vllm``, issue #29): the reasoning split, and a constraint that
 starts where the reasoning ends, read by the unchanged openai SDK.
 
-The model is ``tests/thinking_model.py``'s chain llama (greedy decoding writes
+The model is ``tests/support/thinking_model.py``'s chain llama (greedy decoding writes
 ``<think>The user asks about France.</think>Paris!``, Qwen3's real chat template), widened to hidden 256 with 4 heads
 (head size 64, as test_parallel.py's llama: vLLM's CPU attention has no kernel for heads under 32). Settings are
 the shipped ones except ``option.model_id`` (this model, not the embedded one) and, from this folder's conftest,
@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
-from tests.thinking_model import ANSWER, QUESTION, THINKING, TRANSCRIPT, build_thinking_llama, raw_completion
+from tests.support.thinking_model import ANSWER, QUESTION, THINKING, TRANSCRIPT, build_thinking_llama, raw_completion
 
 CITIES = ["Lyon", "Nice"]  # not the model's own answer (Paris!)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}}, "required": ["city"],

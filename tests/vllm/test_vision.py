@@ -17,7 +17,7 @@ from PIL import Image
 from tests.e2e.conftest import RunningServer, start_tiny_vlm, stop_server
 from tests.e2e.test_vision import *  # noqa: F403
 from tests.e2e.test_vision import data_uri
-from tests.vision_fixture import png_bytes
+from tests.support.vision_fixture import png_bytes
 
 HEAD_DIM = 64
 

@@ -42,6 +42,7 @@ from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.runners.own_caches import OwnCaches
 from handler.engine.types import Pooling, PromptParts
 from handler.errors import ConfigError
+from handler.knobs import knob
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +131,8 @@ def warn_retired(settings: Settings) -> None:
            "on every CPU, in one pass (docs/development.md: Numerics)")
     if settings.int8_split != "auto":
         log.warning("option.int8_split=%s is retired and ignored: %s", settings.int8_split, why)
-    if os.environ.get("LLM_INT8_ACTIVATION_BITS"):
-        log.warning("LLM_INT8_ACTIVATION_BITS=%s is retired and ignored: %s", os.environ["LLM_INT8_ACTIVATION_BITS"],
-                    why)
+    if bits := knob("LLM_INT8_ACTIVATION_BITS"):
+        log.warning("LLM_INT8_ACTIVATION_BITS=%s is retired and ignored: %s", bits, why)
 
 
 def load_for(settings: Settings, limits: EngineLimits, on_parts: Callable[[PromptParts, str, str], object],

@@ -3,5 +3,6 @@ becomes at load; ``layout``: where a step's rows go and what they attend), its M
 (``quantize``), checkpoint reading, what the lean path implements (``support``), and vision-language towers and
 processors (``vision``).
 
-May import: ``types``, ``handler.config``, ``handler.errors``. Nothing else of the engine: the model knows neither
-requests nor backends."""
+May import: ``types``, ``handler.errors``, ``handler.knobs`` (its kernels' environment knobs) and
+``handler.start_cache``. Nothing else of the engine: the model knows neither requests nor backends. Never
+``handler.config``: what it needs of the settings its caller (``lean.load``) passes in as arguments."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from handler.engine.model.kernels import cpu_flags
 from handler.engine.model.kernels.build import build
 from handler.engine.model.kv_cache import KEY_BLOCK
 from handler.engine.model.layout import KVStore, StepLayout
+from handler.knobs import knob, path_knob
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,13 @@ class Segment(ctypes.Structure):
 def attention_library() -> ctypes.CDLL | None:
     """The kernels' library with ``attention_rows`` bound; None where it cannot run (no AVX2 and FMA, no compiler)
     or ``LLM_ATTENTION_KERNEL=torch`` asks for the matmul path (one log line says why)."""
-    if os.environ.get("LLM_ATTENTION_KERNEL", "auto") == "torch":
+    if knob("LLM_ATTENTION_KERNEL") == "torch":
         return None
     if not {"avx2", "fma"} <= cpu_flags():
         log.info("attention: no AVX2 and FMA on this CPU; attention runs as torch's matmuls")
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(path_knob("LLM_KERNEL_CACHE"))))
     except OSError as error:
         log.warning("attention: the kernel could not be built (%s); attention runs as torch's matmuls", error)
         return None
@@ -67,7 +67,7 @@ def attention_library() -> ctypes.CDLL | None:
 def use_avx512(lib: ctypes.CDLL) -> bool:
     """AVX-512 where the CPU has it (the same bits as AVX2: ``attention.c``), unless the kernels are held to AVX2
     (``LLM_INT8_KERNEL_ISA=avx2``, which measures an AVX2 machine's speed here); whether it is taken."""
-    return bool(lib.attention_use_avx512(int(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")))
+    return bool(lib.attention_use_avx512(int(knob("LLM_INT8_KERNEL_ISA") != "avx2")))
 
 
 def pick(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from handler.engine.model.kernels.build import build
+from handler.knobs import knob, path_knob
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Int8Kernel:
         self.scratch_bytes, self._scratch = 0, ctypes.c_void_p(0)
         self.floats = {name: torch.empty(0) for name in ("normed", "gate_up", "gated")}
         self._floats = {name: ctypes.c_void_p(0) for name in self.floats}
-        self.vnni = self.use_vnni(os.environ.get("LLM_INT8_KERNEL_ISA", "auto") != "avx2")
+        self.vnni = self.use_vnni(knob("LLM_INT8_KERNEL_ISA") != "avx2")
 
     def use_vnni(self, wanted: bool) -> bool:
         """Sum with AVX-512 VNNI where the CPU has it (``int8_linear.c``: the same integers, so the same bits), or
@@ -212,14 +212,14 @@ def int8_kernel() -> Int8Kernel | None:
         if _TRIED:
             return _KERNEL
         _TRIED = True
-        if os.environ.get("LLM_INT8_KERNEL", "auto") == "torch":
+        if knob("LLM_INT8_KERNEL") == "torch":
             return None
         if not {"avx2", "fma"} <= cpu_flags():
             log.info("int8: no AVX2 and FMA on this CPU; the int8 Linears run through torch's ops (the same numbers, "
                      "slowly)")
             return None
         try:
-            _KERNEL = Int8Kernel(build())
+            _KERNEL = Int8Kernel(build(path_knob("LLM_KERNEL_CACHE")))
         except OSError as error:
             log.warning("int8: the kernel could not be built (%s); the int8 Linears run through torch's ops (the same "
                         "numbers, slowly)", error)

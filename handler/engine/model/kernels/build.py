@@ -1,6 +1,7 @@
 """Compile the kernels' C files beside this one (``int8_linear.c``, ``rms_norm.c``, ...) into one library in the kernel
-cache (standard library only, so an image's build stage can run it as a file: ``python3
-handler/engine/model/kernels/build.py`` prints the library's path). The library's name carries a digest of its
+cache its caller names (``LLM_KERNEL_CACHE``, read through ``handler.knobs``). Standard library only, so an image's
+build stage can run it as a file: ``python3 handler/engine/model/kernels/build.py`` prints the library's path, in
+``$LLM_KERNEL_CACHE`` else the default ``handler.knobs`` declares. The library's name carries a digest of its
 sources and flags, so a changed kernel is never served from a stale build."""
 
 from __future__ import annotations
@@ -17,19 +18,15 @@ SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
-def cache_dir() -> Path:
-    """``LLM_KERNEL_CACHE`` (the image sets it to its prebuilt folder), else the user's cache."""
-    return Path(os.environ.get("LLM_KERNEL_CACHE", Path.home() / ".cache" / "sagemaker-llm" / "kernels"))
-
-
-def library_path() -> Path:
+def library_path(cache: Path) -> Path:
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode())
-    return cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
+    return cache / f"kernels-{digest.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """The compiled library (built once per source and flags; concurrent builders wait for each other)."""
-    target = library_path()
+def build(cache: Path) -> Path:
+    """The compiled library in the folder ``cache`` (built once per source and flags; concurrent builders wait for
+    each other)."""
+    target = library_path(cache)
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -49,7 +46,7 @@ def build() -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        print(build())
+    try:  # run as a file, without the package: LLM_KERNEL_CACHE and its default as handler.knobs declares them
+        print(build(Path(os.environ.get("LLM_KERNEL_CACHE", "~/.cache/sagemaker-llm/kernels")).expanduser()))
     except OSError as error:
         sys.exit(f"int8 kernel: {error}")

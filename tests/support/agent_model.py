@@ -1,6 +1,7 @@
 """A tiny llama built to act as a coding agent for one turn: greedy decoding reasons, calls a tool, then, shown the
-tool's output, answers. Tiny random checkpoints cannot do that, so this one is scripted as ``tests/thinking_model.py``
-scripts its transcript (a token-only chain model: each token's successor is fixed), with two chains:
+tool's output, answers. Tiny random checkpoints cannot do that, so this one is scripted as
+``tests/support/thinking_model.py`` scripts its transcript (a token-only chain model: each token's successor is
+fixed), with two chains:
 
 - from the last token of the generation prompt (``\\n`` of ``<|im_start|>assistant\\n``):
   ``<think>Run the command</think><tool_call>{"name":"exec_command","arguments":{"cmd":"echo hi"}}</tool_call>``, a call
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.thinking_model import TEMPLATE, write_chains
+from tests.support.thinking_model import TEMPLATE, write_chains
 
 MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 JSON_PIECES = ('":{"', '"}}')
@@ -81,7 +82,7 @@ def build_agent_llama(path: Path, **overrides) -> Path:
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    from tests.tiny_checkpoints import SMOLLM2_DIR, build_tiny
+    from tests.support.tiny_checkpoints import SMOLLM2_DIR, build_tiny
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKERS + JSON_PIECES])

@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the VLM families whose processors also take video (``handler.engine.model.processor``:
-loaded here without it, as torchvision is missing). Built as ``tests.vision_fixture.build_tiny_vlm`` builds the
+loaded here without it, as torchvision is missing). Built as ``tests.support.vision_fixture.build_tiny_vlm`` builds the
 others: SmolLM2's tokenizer plus the family's special tokens, random weights, the family's real processor class
 (``images_only``, which saves what the full class saves, less the video processor).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from handler.engine.model.processor import images_only
-from tests.vision_fixture import IDEFICS3_TEMPLATE, IDEFICS3_TOKENS, _save, _spread, _text_config, _tokenizer
+from tests.support.vision_fixture import IDEFICS3_TEMPLATE, IDEFICS3_TOKENS, _save, _spread, _text_config, _tokenizer
 
 # Qwen2-VL's style: "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>text<|im_end|>\n..."
 QWEN_VL_TEMPLATE = (

