@@ -37,48 +37,48 @@ def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
 
 
 @pytest.fixture(scope="module")
-def sdk(agent_server: RunningServer) -> openai.OpenAI:
+def agent_sdk(agent_server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{agent_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-def test_sealed_reasoning_sent_back_statelessly_answers_as_the_stored_path(sdk: openai.OpenAI) -> None:
-    first = sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
+def test_sealed_reasoning_sent_back_statelessly_answers_as_the_stored_path(agent_sdk: openai.OpenAI) -> None:
+    first = agent_sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
                                  include=["reasoning.encrypted_content"])
     reasoning, call = first.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING and reasoning.summary == []
     assert reasoning.encrypted_content and REASONING not in reasoning.encrypted_content
     assert (call.type, call.name, call.arguments) == ("function_call", "exec_command", f'{{"cmd":"{COMMAND}"}}')
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "hi"}
-    stored = sdk.responses.create(model="m", previous_response_id=first.id, input=[result], tools=[EXEC],
+    stored = agent_sdk.responses.create(model="m", previous_response_id=first.id, input=[result], tools=[EXEC],
                                   temperature=0, max_output_tokens=16)
     sealed_only = {"type": "reasoning", "id": reasoning.id, "summary": [],
                    "encrypted_content": reasoning.encrypted_content}  # what a client that never read it sends
-    stateless = sdk.responses.create(model="m", tools=[EXEC], temperature=0, max_output_tokens=16, store=False,
+    stateless = agent_sdk.responses.create(model="m", tools=[EXEC], temperature=0, max_output_tokens=16, store=False,
                                      include=["reasoning.encrypted_content"],
                                      input=[{"role": "user", "content": TASK}, sealed_only,
                                             call.model_dump(exclude_none=True), result])
     assert stored.output_text == stateless.output_text == ANSWER
     assert stored.usage.input_tokens == stateless.usage.input_tokens
-    without = sdk.responses.create(model="m", tools=[EXEC], temperature=0, max_output_tokens=16, store=False,
+    without = agent_sdk.responses.create(model="m", tools=[EXEC], temperature=0, max_output_tokens=16, store=False,
                                    input=[{"role": "user", "content": TASK}, call.model_dump(exclude_none=True),
                                           result])
     assert without.usage.input_tokens < stateless.usage.input_tokens  # the reasoning was rendered
 
 
-def test_sealed_reasoning_that_was_altered_is_refused_naming_it(sdk: openai.OpenAI) -> None:
-    first = sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
+def test_sealed_reasoning_that_was_altered_is_refused_naming_it(agent_sdk: openai.OpenAI) -> None:
+    first = agent_sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
                                  include=["reasoning.encrypted_content"], store=False)
     reasoning, call = first.output
     altered = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content[:-8] + "A" * 8}
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.responses.create(model="m", tools=[EXEC], max_output_tokens=4, store=False, input=[
+        agent_sdk.responses.create(model="m", tools=[EXEC], max_output_tokens=4, store=False, input=[
             {"role": "user", "content": TASK}, altered, call.model_dump(exclude_none=True),
             {"type": "function_call_output", "call_id": call.call_id, "output": "hi"}])
     assert info.value.body["param"] == "input[1].encrypted_content"
 
 
-def test_a_streamed_turn_seals_its_reasoning_in_the_item_done_event(sdk: openai.OpenAI) -> None:
-    events = list(sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
+def test_a_streamed_turn_seals_its_reasoning_in_the_item_done_event(agent_sdk: openai.OpenAI) -> None:
+    events = list(agent_sdk.responses.create(model="m", input=TASK, tools=[EXEC], temperature=0, max_output_tokens=64,
                                        include=["reasoning.encrypted_content"], store=False, stream=True,
                                        reasoning={"summary": "auto"}))
     done = [e.item for e in events if e.type == "response.output_item.done"]
