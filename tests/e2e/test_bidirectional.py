@@ -23,13 +23,13 @@ from websockets.sync.client import ClientConnection, connect
 
 from devtools.local_bidi import BidirectionalCall
 from tests.e2e.conftest import RunningServer, local_runtime, metric, start_server, stop_server
+from tests.e2e.test_metrics import wait_until
 
 LEGACY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
 CHAT = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 8, "temperature": 0,
         "stream": True}
 LONG = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}], "max_tokens": 500,
         "ignore_eos": True, "stream": True}
-POLL_ATTEMPTS = 600  # x 0.1 s: a bound on waiting, not a speed requirement
 
 
 def ws_url(url: str, path: str = "/invocations-bidirectional-stream") -> str:
@@ -51,15 +51,6 @@ def http_chat_text(url: str, body: dict) -> str:
     with requests.post(f"{url}/invocations", json=body, stream=True, timeout=120) as response:
         assert response.status_code == 200
         return chat_text([line for line in response.iter_lines(decode_unicode=True) if line])
-
-
-def wait_until(predicate, what: str) -> None:
-    pause = threading.Event()
-    for _ in range(POLL_ATTEMPTS):
-        if predicate():
-            return
-        pause.wait(0.1)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def test_two_requests_on_one_connection_are_answered_in_order_as_invocations_answers(url: str) -> None:

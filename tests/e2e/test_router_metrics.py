@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,11 +17,11 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import RunningServer, start_server, stop_server
+from tests.e2e.test_metrics import wait_until
 
 STREAM = {"messages": [{"role": "user", "content": "Tell me a story about a fox."}], "max_tokens": 24,
           "ignore_eos": True, "stream": True}
 NUM_STREAMS = 4
-POLL_ATTEMPTS = 600  # x 0.1 s: a bound on waiting, not a speed requirement
 TYPES = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
          "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
          "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
@@ -42,15 +41,6 @@ def value(families: dict, sample: str, **labels: str) -> float:
     found = [s.value for s in (family.samples if family else ()) if s.name == sample
              and all(s.labels.get(k) == v for k, v in labels.items())]
     return sum(found)
-
-
-def wait_until(predicate, what: str) -> None:
-    pause = threading.Event()
-    for _ in range(POLL_ATTEMPTS):
-        if predicate():
-            return
-        pause.wait(0.1)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def stream(url: str) -> int:
