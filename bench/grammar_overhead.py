@@ -103,10 +103,10 @@ def mask_application_us(vocab: int, rows: int = 16, repeats: int = 20) -> float:
 def served_engine(tokenizer):
     """The lean engine over the embedded model as served on CPU (int8, 32 slots, a 512-token context), started
     and ready; the caller stops it."""
-    from handler.__main__ import keep_freed_memory
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
     from handler.engine.lean.load import LoadOptions, load
+    from handler.process.heap import keep_freed_memory
 
     torch.set_num_threads(2)
     keep_freed_memory()  # as the server does: per-step temporaries reuse heap blocks instead of fresh mmaps

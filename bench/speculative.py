@@ -55,11 +55,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from handler.__main__ import keep_freed_memory
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
     from handler.engine.lean.load import LoadOptions, SpeculationOptions, load
     from handler.engine.types import GenerationRequest, StopConditions
+    from handler.process.heap import keep_freed_memory
 
     torch.set_num_threads(2)
     keep_freed_memory()

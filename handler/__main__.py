@@ -20,7 +20,6 @@ May import: anything of the package (it is the entry point); the app itself only
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from handler.config import Settings, load_settings
 from handler.djl.loading import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError
+from handler.process.heap import give_back, keep_freed_memory, start_trimming
 from handler.process.preflight import preflight
 from handler.process.worker import DeadlineWorker
 
@@ -133,31 +133,11 @@ def run_server(settings: Settings, options: dict) -> None:
     Application().run()
 
 
-def keep_freed_memory() -> None:
-    """Stop glibc from handing large freed blocks back to the OS (and mmapping fresh ones per allocation).
-
-    Every engine step allocates the same few MB of activations and logits. With glibc's defaults each large block
-    is a fresh mmap, page-faulted in and unmapped again, which on a VM whose memory is backed lazily dominates a
-    step. Keeping the blocks in the heap makes them reusable.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # Blocks up to 32 MiB (activations, logits) come from the heap and are reused; larger ones (weights, the KV
-    # cache) are still mmapped, so memory they free goes back to the OS.
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 256 << 20)
-
-
 def release_load_garbage() -> None:
-    """Hand back what loading and warm-up freed (the fp32 weights int8 replaced, the warm-up's KV cache):
-    with automatic trimming off, glibc would keep it."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        return
+    """Hand back what loading and warm-up freed (the fp32 weights int8 replaced, the warm-up's KV cache), then keep
+    handing back what traffic frees (``handler.process.heap``)."""
+    give_back()
+    start_trimming()
 
 
 def stop_on_load_failure(reason: str) -> None:

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +40,7 @@ from handler.errors import BadRequest, Overloaded
 from handler.images.decode import DecodeLimits, decode_image_bytes, fetch_policy, image_size, inline_bytes
 from handler.images.fetch import Deadline, fetch_image_bytes
 from handler.images.policy import FetchFailure, FetchPolicy, ImageFetchError
+from handler.process.heap import give_back
 
 # What one decoded pixel costs at the peak of a request's image work: the RGB image and its decode buffers (about
 # 3.8 B/px measured) plus the processor's copies (the tiny Idefics3's peak was 7.9 B/px in one thread).
@@ -159,7 +158,7 @@ class ImageLoader:
             images.clear()
             self.memory.give(held)
             if held >= TRIM_AFTER_BYTES:
-                release_freed_memory()
+                give_back()
 
     # --- 1, 2: bytes --------------------------------------------------------------------------------------------
 
@@ -300,18 +299,3 @@ def budget_spent(ref: ImageSource, deadline: Deadline) -> ImageFetchError:
 
 def _mib(amount: int) -> int:
     return round(amount / 2**20)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed in every malloc arena back to the OS (glibc's ``malloc_trim``; nothing elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -343,17 +343,13 @@ def test_a_request_larger_than_the_whole_budget_runs_alone() -> None:
 
 def test_memory_goes_back_to_the_os_after_a_large_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
     trims: list[int] = []
-    monkeypatch.setattr(loader_module, "release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(loader_module, "give_back", lambda: trims.append(1))
     monkeypatch.setattr(loader_module, "TRIM_AFTER_BYTES", 1000 * BYTES_PER_PIXEL)
     loader = make_loader()
     load(loader, [Ref(data_uri(10, 10), "small")])
     assert trims == []
     load(loader, [Ref(data_uri(40, 40), "large")])
     assert trims == [1]
-
-
-def test_release_freed_memory_runs_here() -> None:
-    loader_module.release_freed_memory()  # glibc's malloc_trim, or nothing where there is no glibc
 
 
 def test_settings_reach_the_loader() -> None:
