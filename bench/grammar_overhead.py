@@ -106,7 +106,8 @@ def served_engine(tokenizer):
     from handler.__main__ import keep_freed_memory
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     torch.set_num_threads(2)
     keep_freed_memory()  # as the server does: per-step temporaries reuse heap blocks instead of fresh mmaps

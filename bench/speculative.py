@@ -58,7 +58,8 @@ def main() -> None:
     from handler.__main__ import keep_freed_memory
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, SpeculationOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions, SpeculationOptions
     from handler.engine.types import GenerationRequest, StopConditions
 
     torch.set_num_threads(2)

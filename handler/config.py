@@ -113,7 +113,7 @@ class Settings(BaseModel):
     # auto: dynamic_int8 on CPU, none on CUDA (lean); awq, gptq, fp8, bitsandbytes: vLLM only
     quantize: Literal["auto", "none", "dynamic_int8", "awq", "gptq", "fp8", "bitsandbytes"] = "auto"
     # retired (the earlier int8 numerics' layers with 14-bit activations): a start that sets it logs a warning and
-    # ignores it (handler/engine/lean/load.py warn_retired); its old values still parse, so old configs start
+    # ignores it (handler/engine/lean/options.py warn_retired); its old values still parse, so old configs start
     int8_split: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # LMI's key: which engine path serves. auto: vLLM when it is installed and the device is CUDA, else the lean

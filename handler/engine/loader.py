@@ -1,7 +1,7 @@
 """Which backend serves a model folder, and building it; the one module outside code asks about models.
 
 ``create_backend`` picks from ``option.rolling_batch``: vLLM's engine (``vllm/``, imported only then), or the lean
-engine (``lean/``), whose runner runs our model or the checkpoint's transformers model (``lean.load.choose_path``).
+engine (``lean/``), whose runner runs our model or the checkpoint's transformers model (``lean.paths.choose_path``).
 Each calls ``on_parts`` once it has loaded, with what the prompt layer renders with (``core.tokenizer.PromptParts``)
 and which path serves. The folder checks here (``lean_refusal``, ``language_config``) are for the server's master
 process and the service: this module imports neither torch nor vLLM until a backend is built.

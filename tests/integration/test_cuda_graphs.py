@@ -93,7 +93,8 @@ def _drive(loop: StepLoop, requests: list[GenerationRequest], late: GenerationRe
 
 @on_gpu
 def test_graphed_decode_steps_equal_eager_ones_bit_for_bit(tokenizer) -> None:
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN,
                           cuda_graphs=True)
@@ -121,7 +122,8 @@ def test_graphed_decode_steps_equal_eager_ones_bit_for_bit(tokenizer) -> None:
 def test_a_recorded_step_follows_a_slab_that_moved(tokenizer) -> None:
     """After the KV slabs are given back and allocated again (the warm-up's release), a step of a recorded shape
     reads the new slab: its tokens equal an eager loop's."""
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN)
     loaded = load(options, lambda: tokenizer)[0]

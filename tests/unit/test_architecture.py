@@ -304,8 +304,6 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
 SIZE_EXCEPTIONS = {
     "handler/config.py": "Settings' option fields with their validation, and the lean engine's own rules, which "
                          "belong to the engine: moving them is the way under",
-    "handler/engine/lean/load.py": "settings and path choice, the loaders, quantization and KV budgeting in one "
-                                   "module: four jobs to split it by",
     "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
                                              "in one class",
     "handler/engine/model/family.py": "FamilySpec and LayerBuilder beside the q/k split, norm and rotate helpers "

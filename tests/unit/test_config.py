@@ -226,7 +226,7 @@ def test_the_retired_int8_settings_start_with_one_warning_each(env: dict[str, st
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """option.int8_split and LLM_INT8_ACTIVATION_BITS chose the earlier int8 numerics: an old config still starts
     (fp32 too), each setting named in one warning and ignored."""
-    from handler.engine.lean.load import resolve, warn_retired
+    from handler.engine.lean.options import resolve, warn_retired
 
     settings = load_settings({**env, "OPTION_INT8_SPLIT": value})
     assert resolve(settings.model_copy(update={"quantize": "none"}), cuda_available=False).quantize is False
