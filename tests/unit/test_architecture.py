@@ -306,8 +306,6 @@ SIZE_EXCEPTIONS = {
                          "belong to the engine: moving them is the way under",
     "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
                                              "in one class",
-    "handler/engine/model/support.py": "the table of the families and config features the lean engine implements, "
-                                       "and the checks that read it",
     "handler/engine/runners/hf_runner.py:TransformersRunner": "each sequence's own cache handled beside the "
                                                               "forward, in one class",
     "handler/engine/vllm/backend.py:VllmBackend": "the asyncio loop thread, intake, slots, the watcher and shutdown "

@@ -39,9 +39,10 @@ from handler.engine.lean.options import DTYPES, LoadOptions, options_from, resol
 from handler.engine.lean.paths import choose_path
 from handler.engine.model import packed, vision
 from handler.engine.model.family import read_config
+from handler.engine.model.family_config import rope_type
 from handler.engine.model.kv_cache import whole_blocks
 from handler.engine.model.linear import describe_cpu
-from handler.engine.model.support import UnsupportedModel, rope_type
+from handler.engine.model.support import UnsupportedModel
 from handler.engine.runners.model_runner import ModelRunner
 from handler.engine.types import PromptParts
 

@@ -21,11 +21,7 @@ from pathlib import Path
 import torch
 
 from handler.engine.model.checkpoint import read_tensors
-from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.model.lora import fold
-from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
-from handler.engine.model.qk_split import helpers as qk_helpers
-from handler.engine.model.support import (
+from handler.engine.model.family_config import (
     GEMMA_TYPES,
     layer_rope_configs,
     moe_layers,
@@ -35,6 +31,10 @@ from handler.engine.model.support import (
     rope_type,
     sliding_layers,
 )
+from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.model.lora import fold
+from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
+from handler.engine.model.qk_split import helpers as qk_helpers
 
 
 @dataclass(slots=True)

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from handler import start_cache
 from handler.engine.model import decoder, family, linear, quantize
+from handler.engine.model.family_config import moe_layers
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
-from handler.engine.model.support import moe_layers
 
 log = logging.getLogger(__name__)
 
