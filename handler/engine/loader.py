@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from handler.config import Settings, check_lean_settings, vllm_installed
+from handler.config import Settings, check_lean_settings
+from handler.config_sources import vllm_installed
 from handler.engine.backend import Admission, EngineBackend, EngineLimits, EngineStats
 from handler.engine.types import PromptParts
 

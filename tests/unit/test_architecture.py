@@ -20,7 +20,8 @@ PACKAGE = ROOT / "handler"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("base", ["handler.errors", "handler.config", "handler.knobs", "handler.start_cache", "handler.threads"]),
+    ("base", ["handler.errors", "handler.config", "handler.config_sources", "handler.knobs", "handler.start_cache",
+              "handler.threads"]),
     ("engine", ["handler.engine"]),
     ("metrics", ["handler.metrics"]),
     ("process", ["handler.process"]),
@@ -302,8 +303,6 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
 # Units over a limit, each with why it is; the test prints them. One over a limit and not named here fails, and so
 # does one named here that is no longer over (take its entry off).
 SIZE_EXCEPTIONS = {
-    "handler/config.py": "Settings' option fields with their validation, and the lean engine's own rules, which "
-                         "belong to the engine: moving them is the way under",
     "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
                                              "in one class",
     "handler/engine/runners/hf_runner.py:TransformersRunner": "each sequence's own cache handled beside the "
