@@ -128,7 +128,7 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)          # default: the model's max_position_embeddings, up to 8192
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
-    # KV-cache memory the engine may hold (issue #16): bytes ("4GiB", "512MB", 2147483648) or a fraction of the
+    # KV-cache memory the engine may hold: bytes ("4GiB", "512MB", 2147483648) or a fraction of the
     # memory available after the weights load ("0.4"); default: 0.4 of it, shared by the workers. On CUDA
     # option.gpu_memory_utilization (vLLM's and LMI's key) sets it as a fraction of the device instead.
     kv_cache_memory: str | None = None
@@ -208,7 +208,7 @@ class Settings(BaseModel):
     image_max_bytes: int = Field(20 * 1024 * 1024, ge=1)    # encoded size, enforced while downloading
     image_max_pixels: int = Field(40_000_000, ge=1)         # width x height, checked before decoding
     max_images_per_request: int = Field(8, ge=1)
-    # A request's images together, and what one worker lets all requests' images take at once (issue #17)
+    # A request's images together, and what one worker lets all requests' images take at once
     image_fetch_budget: float = Field(30.0, gt=0)           # seconds for all of a request's URL fetches
     image_fetch_concurrency: int = Field(16, ge=1)          # URL fetches in flight in one worker
     image_max_total_pixels: int = Field(64_000_000, ge=1)   # a request's images together, from their headers
