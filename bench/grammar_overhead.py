@@ -105,7 +105,8 @@ def served_engine(tokenizer):
     and ready; the caller stops it."""
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
     from handler.process.heap import keep_freed_memory
 
     torch.set_num_threads(2)

@@ -26,7 +26,8 @@ import torch
 from handler.engine.backend import EngineLimits, EngineStats
 from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.lean.engine import Engine, wait_until_ready
-from handler.engine.lean.load import KVMemory, LoadOptions, load
+from handler.engine.lean.load import load
+from handler.engine.lean.options import KVMemory, LoadOptions
 from handler.engine.types import GenerationRequest, StopConditions
 from tests.support.tiny_checkpoints import build_tiny
 

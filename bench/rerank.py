@@ -40,7 +40,8 @@ def main() -> None:
     from handler.engine.backend import EngineLimits
     from handler.engine.core.tokenizer import load_tokenizer
     from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
     from handler.prompt.renderer import PromptRenderer
     from handler.protocol.rerank import ScoringAsk
     from tests.support.tiny_checkpoints import PAIR_CORPUS, build_tiny_cross_encoder

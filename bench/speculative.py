@@ -57,7 +57,8 @@ def main() -> None:
 
     from handler.engine.backend import EngineLimits
     from handler.engine.lean.engine import Engine, wait_until_ready
-    from handler.engine.lean.load import LoadOptions, SpeculationOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions, SpeculationOptions
     from handler.engine.types import GenerationRequest, StopConditions
     from handler.process.heap import keep_freed_memory
 

@@ -248,7 +248,8 @@ def start_engine(folder: Path):
     from handler.engine.backend import EngineLimits
     from handler.engine.core.tokenizer import load_tokenizer
     from handler.engine.lean.engine import Engine
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(folder, "float32", False, "cpu", max_running=2, max_model_len=64, rolling_batch="auto")
     limits = EngineLimits(max_running=2, max_model_len=64, max_step_tokens=16)  # the longer prompt: two chunks

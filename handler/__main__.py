@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from handler.config import Settings, load_settings
+from handler.config import Settings
+from handler.config_sources import load_settings
 from handler.djl.loading import HandlerLoadError, find_entry_point
 from handler.download import fetch_model
 from handler.errors import ConfigError

@@ -1,12 +1,15 @@
-"""Where a start keeps what it computed once for a model folder, so later starts read it instead (issue #32:
-scale-out time is start-up time): the lean engine's int8 model (``model.packed``) and the tokenizer class
-transformers picks for the folder (``core.tokenizer``).
+"""Where a start keeps what it computed once for a model folder, so later starts read it instead: the lean
+engine's int8 model (``model.packed``) and the tokenizer class transformers picks for the folder
+(``core.tokenizer``).
 
 The cache is ``LLM_INT8_CACHE`` (the image sets its own and fills it at build), else the user's cache, never the
 model folder (it is the user's, and SageMaker mounts it read-only). A file's name is a digest of the folder's path
 and a digest of everything that decides its contents: the folder's files (name, size, modification time), the
 settings its caller names, and the source of the code that computes it, so a changed model, setting or algorithm
-never reads a stale file."""
+never reads a stale file.
+
+May import: ``handler.knobs`` (where the cache lives) and the standard library. It is in the base layer so the model
+code may use it: nothing of the engine or the server."""
 
 from __future__ import annotations
 

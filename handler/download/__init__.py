@@ -17,7 +17,8 @@ import os
 import signal
 import sys
 
-from handler.config import Settings, check_model_dir, is_remote
+from handler.config import Settings
+from handler.config_sources import check_model_dir, is_remote
 from handler.download.progress import Progress, fetch_reported
 from handler.download.standby import Standby
 from handler.errors import ConfigError

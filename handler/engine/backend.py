@@ -7,7 +7,7 @@ module, ``types`` and ``loader`` only; which backend runs is decided once, from 
 ``loader.create_backend``.
 
 Backends today: the lean continuous-batching engine (``lean/``), whose runner is either our own model code or the
-checkpoint's transformers code (``lean.load.choose_path``), and vLLM's engine (``vllm/``). Each keeps these meanings:
+checkpoint's transformers code (``lean.paths.choose_path``), and vLLM's engine (``vllm/``). Each keeps these meanings:
 a request past ``Admission.max_waiting`` waiting requests is refused with ``Overloaded`` at submit; a request
 unfinished ``Admission.timeout_s`` after it arrived ends its choices with what they generated
 (``FinishReason.DEADLINE``) or, with none, an event whose ``error_kind`` is ``ErrorKind.TIMEOUT``; a cancelled

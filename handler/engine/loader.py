@@ -1,7 +1,7 @@
 """Which backend serves a model folder, and building it; the one module outside code asks about models.
 
 ``create_backend`` picks from ``option.rolling_batch``: vLLM's engine (``vllm/``, imported only then), or the lean
-engine (``lean/``), whose runner runs our model or the checkpoint's transformers model (``lean.load.choose_path``).
+engine (``lean/``), whose runner runs our model or the checkpoint's transformers model (``lean.paths.choose_path``).
 Each calls ``on_parts`` once it has loaded, with what the prompt layer renders with (``core.tokenizer.PromptParts``)
 and which path serves. The folder checks here (``lean_refusal``, ``language_config``) are for the server's master
 process and the service: this module imports neither torch nor vLLM until a backend is built.
@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from handler.config import Settings, check_lean_settings, vllm_installed
+from handler.config import Settings, check_lean_settings
+from handler.config_sources import vllm_installed
 from handler.engine.backend import Admission, EngineBackend, EngineLimits, EngineStats
 from handler.engine.types import PromptParts
 

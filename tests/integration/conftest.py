@@ -46,7 +46,9 @@ def engine_on_path(folder: Path, rolling_batch: str, path: str, kv_cache_memory:
     """A small fp32 CPU engine over ``folder``, loaded as ``option.rolling_batch`` says (and
     ``option.kv_cache_memory``); asserts it took ``path`` (``lean`` or ``transformers``). The caller stops it."""
     from handler.engine.core.tokenizer import load_tokenizer
-    from handler.engine.lean.load import KVMemory, LoadOptions, choose_path, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import KVMemory, LoadOptions
+    from handler.engine.lean.paths import choose_path
     from handler.engine.model.family import read_config
 
     options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=128,
@@ -80,7 +82,8 @@ def renderer(tokenizer) -> PromptRenderer:
 @pytest.fixture(scope="module")
 def loaded(tokenizer):
     """The model, loaded once; engines take turns with it (only one of them runs at a time in these tests)."""
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "float32", False, DEVICE, max_running=8, max_model_len=MAX_MODEL_LEN)
     return load(options, lambda: tokenizer)[0]

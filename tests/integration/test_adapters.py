@@ -40,7 +40,8 @@ def reference(folders) -> dict:
 
 def lora_engine(folder: Path, quantize: bool, max_loras: int = 2) -> Engine:
     from handler.engine.core.tokenizer import load_tokenizer
-    from handler.engine.lean.load import LoadOptions, LoraOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions, LoraOptions
 
     options = LoadOptions(folder, "float32", quantize, "cpu", max_running=8, max_model_len=256,
                           lora=LoraOptions(max_loras, 16))

@@ -93,7 +93,8 @@ def _drive(loop: StepLoop, requests: list[GenerationRequest], late: GenerationRe
 
 @on_gpu
 def test_graphed_decode_steps_equal_eager_ones_bit_for_bit(tokenizer) -> None:
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN,
                           cuda_graphs=True)
@@ -121,7 +122,8 @@ def test_graphed_decode_steps_equal_eager_ones_bit_for_bit(tokenizer) -> None:
 def test_a_recorded_step_follows_a_slab_that_moved(tokenizer) -> None:
     """After the KV slabs are given back and allocated again (the warm-up's release), a step of a recorded shape
     reads the new slab: its tokens equal an eager loop's."""
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     options = LoadOptions(Path(DEFAULT_MODEL_DIR), "bfloat16", False, "cuda", max_running=8, max_model_len=MAX_LEN)
     loaded = load(options, lambda: tokenizer)[0]
@@ -137,9 +139,9 @@ def test_a_recorded_step_follows_a_slab_that_moved(tokenizer) -> None:
 
 
 def test_the_plain_split_helpers_compute_what_the_scripted_ones_do() -> None:
-    """A GPU runs the plain helpers (``family._EAGER``; TorchScript's GPU fuser would change their rounding), a CPU
+    """A GPU runs the plain helpers (``qk_split.EAGER``; TorchScript's GPU fuser would change their rounding), a CPU
     the scripted ones: the same arithmetic, bit for bit where no fuser runs."""
-    from handler.engine.model import family
+    from handler.engine.model import qk_split
 
     torch.manual_seed(0)
     heads, kv_heads, dim, rows = 4, 2, 8, 5
@@ -150,8 +152,8 @@ def test_the_plain_split_helpers_compute_what_the_scripted_ones_do() -> None:
              "split_norm_rotate": {"q_norm": torch.randn(heads * dim), "k_norm": torch.randn(kv_heads * dim),
                                    "eps": 1e-6},
              "split_head_norm_rotate": {"qk_norm": torch.randn(heads + kv_heads, dim), "eps": 1e-6}}
-    assert set(extra) == set(family._EAGER) == set(family._SCRIPTED)
+    assert set(extra) == set(qk_split.EAGER) == set(qk_split.SCRIPTED)
     for name, kwargs in extra.items():
-        plain = family._EAGER[name](qkv, cos, sin, **common, **kwargs)
-        scripted = family._SCRIPTED[name](qkv, cos, sin, **common, **kwargs)
+        plain = qk_split.EAGER[name](qkv, cos, sin, **common, **kwargs)
+        scripted = qk_split.SCRIPTED[name](qkv, cos, sin, **common, **kwargs)
         assert all(torch.equal(a, b) for a, b in zip(plain, scripted, strict=True)), name

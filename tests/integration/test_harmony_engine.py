@@ -87,7 +87,8 @@ def harmony(tmp_path_factory: pytest.TempPathFactory):
     if not (SMOLLM2_DIR / "tokenizer.json").is_file():
         pytest.skip("the embedded model is not assembled (make model)")
     from handler.engine.core.tokenizer import load_tokenizer
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     folder = build_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
     options = LoadOptions(folder, "float32", False, "cpu", max_running=4, max_model_len=512)

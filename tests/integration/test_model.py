@@ -136,13 +136,13 @@ def test_the_norm_and_rope_kernels_leave_every_logit_as_torchs_ops_gave_it(int8_
     from functools import partial
 
     from handler.engine.model.decoder import _rms_norm
-    from handler.engine.model.family import _SCRIPTED
+    from handler.engine.model.qk_split import SCRIPTED
 
     if int8_model.norm is _rms_norm:
         pytest.skip("the fused kernels are not taken on this CPU")
     fused = (int8_model.norm, int8_model._norm_lanes, [layer.split for layer in int8_model.layers])
-    torch_ops = (_rms_norm, None, [partial(_SCRIPTED["split_and_rotate"], **split.keywords) for split in fused[2]])
-    assert all(split.func is not _SCRIPTED["split_and_rotate"] for split in fused[2])
+    torch_ops = (_rms_norm, None, [partial(SCRIPTED["split_and_rotate"], **split.keywords) for split in fused[2]])
+    assert all(split.func is not SCRIPTED["split_and_rotate"] for split in fused[2])
 
     def use(norm, lanes, splits) -> None:
         int8_model.norm, int8_model._norm_lanes = norm, lanes

@@ -228,7 +228,8 @@ def test_a_scaled_rope_checkpoint_loads_in_a_fresh_process(tmp_path: Path) -> No
     script = (
         "from pathlib import Path\n"
         "from handler.engine.core.tokenizer import load_tokenizer\n"
-        "from handler.engine.lean.load import LoadOptions, load\n"
+        "from handler.engine.lean.load import load\n"
+        "from handler.engine.lean.options import LoadOptions\n"
         f"folder = Path({str(folder)!r})\n"
         "loaded, _ = load(LoadOptions(folder, 'float32', False, 'cpu', max_running=2, max_model_len=256),\n"
         "                 lambda: load_tokenizer(folder))\n"

@@ -97,7 +97,8 @@ def test_a_model_whose_steps_fail_is_refused_at_start_naming_the_failure(tmp_pat
     """Loads fine, then every forward of a step fails: the warm-up ends the start with the step's own error in one
     line, and the engine never says ready."""
     from handler.engine.core.tokenizer import load_tokenizer
-    from handler.engine.lean.load import LoadOptions, load
+    from handler.engine.lean.load import load
+    from handler.engine.lean.options import LoadOptions
 
     folder = model_sweep.build(tmp_path, "gpt2")
     options = LoadOptions(folder, "float32", False, "cpu", max_running=2, max_model_len=64, rolling_batch="auto")

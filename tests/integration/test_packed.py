@@ -14,7 +14,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from handler.engine.lean import load as lean_load
+from handler.engine.lean import int8
+from handler.engine.lean.options import LoadOptions
 from handler.engine.model import packed
 from handler.engine.model.decoder import DecoderModel
 from handler.engine.model.layout import build_layout
@@ -93,27 +94,27 @@ def test_the_file_is_found_only_for_the_same_model_and_code(folder: Path, tmp_pa
 
 
 def test_load_writes_once_then_reads(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
-    options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
-    caplog.set_level(logging.INFO, logger=lean_load.__name__)
+    options = LoadOptions(folder, "float32", True, "cpu", 4, 256)
+    caplog.set_level(logging.INFO, logger=int8.__name__)
     first = fresh(folder)
-    lean_load._quantize(first, folder, calibration, options)
+    int8.quantize(first, folder, calibration, options)
     assert "written for later starts" in caplog.text
     caplog.clear()
     assert packed.kept_for(folder, json.loads((folder / "config.json").read_text())) is not None
     second = fresh(folder, linears=False)
-    second = lean_load._quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"),
-                                 options, rebuild=lambda: pytest.fail("rebuilt although the file was there"))
+    second = int8.quantize(second, folder, lambda: pytest.fail("calibrated although the file was there"),
+                           options, rebuild=lambda: pytest.fail("rebuilt although the file was there"))
     assert "read the quantised model" in caplog.text
     assert torch.equal(logits(first), logits(second))
 
 
 def test_a_damaged_file_is_computed_again(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
-    options = lean_load.LoadOptions(folder, "float32", True, "cpu", 4, 256)
+    options = LoadOptions(folder, "float32", True, "cpu", 4, 256)
     path = packed.path_for(folder)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not safetensors")
-    model = lean_load._quantize(fresh(folder, linears=False), folder, calibration, options,
-                                rebuild=lambda: fresh(folder))  # a start built it for the file it found
+    model = int8.quantize(fresh(folder, linears=False), folder, calibration, options,
+                          rebuild=lambda: fresh(folder))  # a start built it for the file it found
     assert "could not be read" in caplog.text and not packed.lacks_weights(model)
     reference = fresh(folder)
     smooth_and_quantize(reference, calibrate(reference, calibration()))

@@ -91,7 +91,7 @@ def test_a_long_prompt_beside_short_streams_stays_within_the_budget(tmp_path: Pa
 
 def test_the_default_budget_is_logged_and_holds_the_context(tmp_path: Path, caplog) -> None:
     folder = build_tiny(tmp_path / "gemma", "gemma", **WIDE_GEMMA)
-    with caplog.at_level("INFO", logger="handler.engine.lean.load"):
+    with caplog.at_level("INFO", logger="handler.engine.lean.kv_budget"):
         engine = engine_on_path(folder, "auto", "transformers")
     try:
         space = engine._loaded.runner.space

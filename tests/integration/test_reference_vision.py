@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from handler.engine.lean.load import LoadOptions, choose_path
+from handler.engine.lean.options import LoadOptions
+from handler.engine.lean.paths import choose_path
 from handler.engine.model.family import read_config
 from handler.engine.model.support import UnsupportedModel
 from handler.engine.model.vision import ImageProcessor
@@ -92,7 +93,7 @@ def test_auto_serves_it_on_the_transformers_path_and_lean_refuses(vlm_dir):
     path, reason = choose_path(auto, config)
     assert path == "transformers" and "lean path cannot run" in reason
     lean = LoadOptions(vlm_dir, "float32", False, "cpu", max_running=2, max_model_len=128, rolling_batch="lean")
-    assert choose_path(lean, config)[0] == "lean"  # and _load_model refuses it, with vision.text_config's reason
+    assert choose_path(lean, config)[0] == "lean"  # and load_lean_model refuses it, with vision.text_config's reason
     for rolling_batch in ("auto", "lean", "transformers"):
         options = LoadOptions(vlm_dir, "float32", False, "cpu", max_running=2, max_model_len=128,
                               rolling_batch=rolling_batch)

@@ -13,7 +13,8 @@ import torch
 from handler.engine.backend import EngineLimits
 from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.lean.engine import Engine, wait_until_ready
-from handler.engine.lean.load import LoadOptions, load
+from handler.engine.lean.load import load
+from handler.engine.lean.options import LoadOptions
 from handler.engine.model.support import UnsupportedModel
 from handler.engine.types import EmbeddingRequest, GenerationRequest
 from handler.errors import BadRequest

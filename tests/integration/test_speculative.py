@@ -18,7 +18,8 @@ from handler.config import DEFAULT_MODEL_DIR
 from handler.engine.backend import EngineLimits
 from handler.engine.core.tokenizer import load_tokenizer
 from handler.engine.lean.engine import Engine, wait_until_ready
-from handler.engine.lean.load import LoadOptions, SpeculationOptions, load
+from handler.engine.lean.load import load
+from handler.engine.lean.options import LoadOptions, SpeculationOptions
 from handler.engine.types import GenerationRequest, SamplingParams, SpeculationParams, StopConditions
 from handler.errors import BadRequest
 

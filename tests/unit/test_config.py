@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from handler.config import DEFAULT_MODEL_DIR, Settings, env_overrides, load_settings, parse_properties
+from handler.config import DEFAULT_MODEL_DIR, Settings
+from handler.config_sources import env_overrides, load_settings, parse_properties
 from handler.errors import ConfigError
 
 
@@ -154,7 +155,7 @@ def test_lmis_huggingface_entry_point_is_our_builtin_handler(env: dict[str, str]
 
 
 def test_lmis_vllm_entry_point_runs_on_vllm(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("handler.config.vllm_installed", lambda: True)
+    monkeypatch.setattr("handler.config_sources.vllm_installed", lambda: True)
     settings = load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service"})
     assert settings.rolling_batch == "vllm" and settings.custom_entry_point is None
     with pytest.raises(ConfigError, match="option.rolling_batch='lean' names another engine"):
@@ -164,7 +165,7 @@ def test_lmis_vllm_entry_point_runs_on_vllm(env: dict[str, str], monkeypatch: py
 
 def test_lmis_vllm_entry_point_without_vllm_says_what_to_do(env: dict[str, str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("handler.config.vllm_installed", lambda: False)
+    monkeypatch.setattr("handler.config_sources.vllm_installed", lambda: False)
     with pytest.raises(ConfigError, match="vLLM is not installed .*leave option.entryPoint unset"):
         load_settings({**env, "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service"})
 
@@ -226,7 +227,7 @@ def test_the_retired_int8_settings_start_with_one_warning_each(env: dict[str, st
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """option.int8_split and LLM_INT8_ACTIVATION_BITS chose the earlier int8 numerics: an old config still starts
     (fp32 too), each setting named in one warning and ignored."""
-    from handler.engine.lean.load import resolve, warn_retired
+    from handler.engine.lean.options import resolve, warn_retired
 
     settings = load_settings({**env, "OPTION_INT8_SPLIT": value})
     assert resolve(settings.model_copy(update={"quantize": "none"}), cuda_available=False).quantize is False
@@ -247,7 +248,7 @@ def test_the_retired_int8_settings_start_with_one_warning_each(env: dict[str, st
 @pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/model"])
 def test_a_hub_id_or_s3_prefix_is_a_download(env: dict[str, str], model_id: str) -> None:
     """Accepted by the settings; the master downloads it before any worker starts (tests/e2e/test_download.py)."""
-    from handler.config import is_remote
+    from handler.config_sources import is_remote
 
     assert load_settings({**env, "HF_MODEL_ID": model_id}).model_id == model_id and is_remote(model_id)
 

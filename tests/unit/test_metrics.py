@@ -15,7 +15,8 @@ import pytest
 
 from handler import metrics, request_log
 from handler.__main__ import gunicorn_options, prepare_metrics_dir
-from handler.config import Settings, load_settings
+from handler.config import Settings
+from handler.config_sources import load_settings
 from handler.engine.backend import EngineStats
 from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, TokenEvent
 from handler.errors import ConfigError, GatewayTimeout

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from handler.config import load_settings
+from handler.config_sources import load_settings
 from handler.engine.types import FinishReason, TokenEvent
 from handler.errors import ConfigError
 from handler.formatting.responses import ResponseEvents, ResponsesContext, response_object

@@ -78,9 +78,9 @@ def test_rows_are_normed_alone(norm) -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 8), (14, 2, 64), (8, 8, 128), (3, 1, 7)])
 def test_the_split_and_rope_kernel_gives_the_scripted_helpers_bits(heads: int, kv_heads: int, dim: int) -> None:
-    """``rope.c`` against ``family._split_and_rotate`` (torch's ops): q, k and v, for 1 to 33 rows, an odd head
+    """``rope.c`` against ``qk_split.split_and_rotate`` (torch's ops): q, k and v, for 1 to 33 rows, an odd head
     width, and positions far out (large angles)."""
-    from handler.engine.model.family import _split_and_rotate
+    from handler.engine.model.qk_split import split_and_rotate
 
     kernel = kernels.int8_kernel()
     generator = torch.Generator().manual_seed(heads * 100 + dim)
@@ -89,7 +89,7 @@ def test_the_split_and_rope_kernel_gives_the_scripted_helpers_bits(heads: int, k
         angles = torch.randint(0, 100000, (rows, 1), generator=generator) * torch.rand(dim, generator=generator)
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)  # [rows, 1, dim], as the model passes them
         ours = kernel.split_rotate(qkv, cos, sin, heads, kv_heads, dim)
-        theirs = _split_and_rotate(qkv, cos, sin, heads, kv_heads, dim)
+        theirs = split_and_rotate(qkv, cos, sin, heads, kv_heads, dim)
         for a, b in zip(ours, theirs, strict=True):
             assert a.shape == b.shape and torch.equal(a, b), rows
 

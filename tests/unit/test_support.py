@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from handler.engine.model.support import (
-    UnsupportedModel,
-    check_lean,
+from handler.engine.model.family_config import (
     layer_rope_configs,
     moe_layers,
     num_experts,
     rope_layers,
     rope_type,
     sliding_layers,
-    sliding_window,
-    unsupported_features,
     with_family_defaults,
 )
+from handler.engine.model.support import UnsupportedModel, check_lean, sliding_window, unsupported_features
 
 LLAMA = {"model_type": "llama", "hidden_act": "silu", "num_hidden_layers": 1, "tie_word_embeddings": False}
 LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",

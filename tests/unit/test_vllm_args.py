@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from handler.config import Settings, load_settings
+from handler.config import Settings
+from handler.config_sources import load_settings
 from handler.engine.backend import EngineLimits
 from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.json_rules import INTEGER_LIMIT, JSON_LAYOUT

@@ -28,12 +28,12 @@ from handler.engine.model.family import (
     read_config,
     shape_from_config,
 )
+from handler.engine.model.family_config import with_family_defaults
 from handler.engine.model.kernels import fused_rms_norm
 from handler.engine.model.kv_cache import KVCache
 from handler.engine.model.layout import KVStore, StepLayout, with_window
 from handler.engine.model.linear import Int8DynamicLinear
 from handler.engine.model.moe import GatedMLP
-from handler.engine.model.support import with_family_defaults
 
 
 class DecoderModel:

@@ -1,9 +1,13 @@
 """What a family's checkpoint becomes at load. ``FamilySpec`` holds what the config decides once (which norms a
 block has, its softcaps and window, how the embeddings and logits are scaled); ``LayerBuilder`` turns the
 checkpoint's tensors into each layer's weights under it (``Layer``: fused q/k/v and gate/up, the attention scale
-and granite's multipliers folded into the weights, each layer's q/k treatment picked as its ``split``), and the
-rotary tables. The decoder's layer loop (``decoder``) only reads the result: a step of one family runs just what
-its math needs, whatever else the engine implements. Which families and features exist is ``support``'s.
+and granite's multipliers folded into the weights, each layer's q/k treatment picked from ``qk_split`` as its
+``split``), and the rotary tables. The decoder's layer loop (``decoder``) only reads the result: a step of one
+family runs just what its math needs, whatever else the engine implements. Which families and features exist is
+``support``'s.
+
+May import: the model room's own modules (checkpoint reading, Linear and MoE layers, the q/k helpers, LoRA's folds,
+what the families' configs mean). Nothing else of the engine.
 """
 
 from __future__ import annotations
@@ -11,17 +15,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from handler.engine.model.checkpoint import read_tensors
-from handler.engine.model.kernels import int8_kernel
-from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.model.lora import fold
-from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
-from handler.engine.model.support import (
+from handler.engine.model.family_config import (
     GEMMA_TYPES,
     layer_rope_configs,
     moe_layers,
@@ -31,6 +31,10 @@ from handler.engine.model.support import (
     rope_type,
     sliding_layers,
 )
+from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
+from handler.engine.model.lora import fold
+from handler.engine.model.moe import ACTIVATIONS, GatedMLP, SparseMoE, load_moe
+from handler.engine.model.qk_split import helpers as qk_helpers
 
 
 @dataclass(slots=True)
@@ -225,7 +229,7 @@ class LayerBuilder:
             weight = state[f"{p}self_attn.o_proj.weight"]
             return weight if residual is None else weight * residual
         heads = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim}
-        helpers = _cpu_helpers(self.dtype) if self.device.type == "cpu" else _EAGER
+        helpers = qk_helpers(self.dtype, self.device)
         if q_norm is None:
             split = partial(helpers["split_and_rotate" if use_rope else "split"], **heads)
         else:
@@ -340,86 +344,3 @@ def attention_tokens(config: dict, s: ModelShape) -> int:
     ffn += config.get("shared_expert_intermediate_size") or 0
     attention = s.hidden_size * (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     return max(1, (attention + 3 * s.hidden_size * ffn) // (2 * s.num_heads * s.head_dim))
-
-
-def _split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv ``[rows, (heads + 2 kv_heads) * head_dim]`` -> q, k (RoPE applied) and v, per head. Scripted on CPU
-    (``_SCRIPTED``): these dozen small ops per layer cost more in Python dispatch than in arithmetic."""
-    rows = qkv.shape[0]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, -1, head_dim)
-    half = head_dim // 2
-    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-    qk = qk * cos + rotated * sin  # [rows, heads + kv_heads, head_dim]
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
-    return qk[:, :num_heads], qk[:, num_heads:], v
-
-
-def _split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_split_and_rotate`` for a layer without RoPE (smollm3's no-rope layers): cos and sin are not read."""
-    rows = qkv.shape[0]
-    q = qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(rows, num_kv_heads, head_dim)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
-    return q, k, v
-
-
-def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = qk.shape[-1] // 2
-    return qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-
-
-def _split_head_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                            num_kv_heads: int, head_dim: int, qk_norm: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qwen3: RMSNorm over each q and k head (``qk_norm`` ``[heads + kv_heads, head_dim]``: q_norm's weight,
-    carrying the attention scale, on the query heads, k_norm's on the KV heads), then RoPE."""
-    rows = qkv.shape[0]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(rows, -1, head_dim)
-    qk = _rotate(torch.rms_norm(qk, [head_dim], None, eps) * qk_norm, cos, sin)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
-    return qk[:, :num_heads], qk[:, num_heads:], v
-
-
-def _split_norm_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       head_dim: int, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """olmo2: RMSNorm over the whole q projection and the whole k projection (q_norm carrying the attention
-    scale), then per-head RoPE."""
-    rows = qkv.shape[0]
-    q_size, k_size = num_heads * head_dim, num_kv_heads * head_dim
-    q = torch.rms_norm(qkv[:, :q_size], [q_size], q_norm, eps).view(rows, num_heads, head_dim)
-    k = torch.rms_norm(qkv[:, q_size: q_size + k_size], [k_size], k_norm, eps).view(rows, num_kv_heads, head_dim)
-    v = qkv[:, q_size + k_size:].view(rows, num_kv_heads, head_dim)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-
-# What a layer's ``split`` calls: on CPU the scripted helpers (no Python dispatch per op); on a GPU the plain ones,
-# whose kernels are torch's own from the first call on. TorchScript's GPU fuser can replace a function's ops by one
-# generated kernel after its first profiled calls, which rounds bf16 differently (its intermediates stay fp32):
-# the same request's tokens could then differ between the first calls and later ones, and a CUDA graph recorded
-# after them (``runners.cuda_graphs``) from what an eager step computes. A graphed decode step pays no dispatch.
-_EAGER = {"split_and_rotate": _split_and_rotate, "split": _split, "split_norm_rotate": _split_norm_rotate,
-          "split_head_norm_rotate": _split_head_norm_rotate}
-_SCRIPTED = {name: torch.jit.script(function) for name, function in _EAGER.items()}
-
-
-@cache
-def _cpu_helpers(dtype: torch.dtype) -> dict:
-    """The scripted helpers; in fp32 with our kernels, the common split and RoPE in one call (``kernels/rope.c``, the
-    same bits)."""
-    kernel = int8_kernel() if dtype == torch.float32 else None
-    if kernel is None:
-        return _SCRIPTED
-    scripted = _SCRIPTED["split_and_rotate"]
-
-    def split_and_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                         head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if (qkv.dtype is torch.float32 and cos.dtype is torch.float32 and sin.dtype is torch.float32
-                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-                and cos.numel() == sin.numel() == qkv.shape[0] * head_dim):
-            return kernel.split_rotate(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
-        return scripted(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
-
-    return {**_SCRIPTED, "split_and_rotate": split_and_rotate}

@@ -37,9 +37,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from handler.engine.model.family_config import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
 from handler.engine.model.kernels import fused_silu_mul
 from handler.engine.model.linear import DenseLinear, Int8DynamicLinear
-from handler.engine.model.support import MOE_TENSORS, SHARED_EXPERT_TENSORS, num_experts
 
 # the gate's activation by its transformers name (``ACT2FN``): gelu_pytorch_tanh is the gemma families'
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -170,7 +170,7 @@ def load_moe(state: dict[str, torch.Tensor], prefix: str, config: dict,
              make: Callable[[torch.Tensor, torch.Tensor | None], DenseLinear | Int8DynamicLinear],
              router_to: Callable[[torch.Tensor], torch.Tensor]) -> SparseMoE:
     """One layer's router and experts from the checkpoint (``prefix``: ``model.layers.{i}.``; the names per family
-    in ``support.MOE_TENSORS``); ``config`` has its family's defaults filled in."""
+    in ``family_config.MOE_TENSORS``); ``config`` has its family's defaults filled in."""
     family = config["model_type"]
     if family == "gpt_oss":
         return _load_gpt_oss(state, prefix, config, make, router_to)

@@ -172,7 +172,7 @@ class Int8Kernel:
 
     def split_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``family._split_and_rotate``'s q, k and v, the same bits, in one call (``rope.c``): ``qkv`` ``[rows,
+        """``qk_split.split_and_rotate``'s q, k and v, the same bits, in one call (``rope.c``): ``qkv`` ``[rows,
         (heads + 2 kv_heads) * head_dim]``, ``cos`` and ``sin`` ``rows * head_dim`` values, all fp32 contiguous."""
         rows = qkv.shape[0]
         out = torch.empty(rows, num_heads + 2 * num_kv_heads, head_dim)
