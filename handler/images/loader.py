@@ -1,11 +1,10 @@
 """A request's images under budgets: fetched together within a time budget, their pixels counted from the headers
 before anything is decoded, and, per worker, a cap on the URL fetches and on the decoded-image memory in flight.
 
-Why (issue #17): URLs fetched one after another, up to a minute each and outside the request's deadline, held a
-request thread for 83 s with three slow images, and 130 such requests took every gunicorn thread (``/ping`` went
-unanswered for a minute). Eight 6000x6000 PNGs of 116 KB, each under every per-image limit, decode to 864 MB and
-cost about 2.3 GB at the processor's peak; four such requests took a worker from 0.5 GB to 9.2 GB, and glibc kept
-5.4 GB of it 30 s later.
+Why: fetched one after another and outside the request's deadline, a few slow image hosts hold a request thread
+for minutes, and enough such requests take every thread (``/ping`` too). Images under every per-image limit can
+still decode to hundreds of MB each, and the processor's copies multiply that. The figures are in
+``docs/api.md`` (Images) and ``bench/RESULTS.md``.
 
 So ``ImageLoader.load`` takes a request's image references through four steps:
 
@@ -19,9 +18,9 @@ So ``ImageLoader.load`` takes a request's image references through four steps:
    image that crossed it and the setting;
 4. decoding reserves ``pixels x BYTES_PER_PIXEL`` of this worker's ``option.image_memory_budget`` (waiting up to
    ``option.image_wait_timeout``, else 429 naming the setting); the reservation lasts until the caller is done with
-   the images (they are encoded), then the images are dropped and, after a large reservation, glibc is asked to hand
-   the freed memory back to the OS (``malloc_trim``: request threads allocate from their own malloc arenas, whose
-   freed memory glibc otherwise keeps).
+   the images (they are encoded), then the images are dropped and, after a large reservation, the freed memory is
+   handed back to the OS at once (``handler.process.heap``: request threads allocate from their own malloc arenas,
+   whose freed memory glibc otherwise keeps until the worker's next periodic trim).
 """
 
 from __future__ import annotations
