@@ -306,8 +306,6 @@ SIZE_EXCEPTIONS = {
                          "belong to the engine: moving them is the way under",
     "handler/engine/lean/load.py": "settings and path choice, the loaders, quantization and KV budgeting in one "
                                    "module: four jobs to split it by",
-    "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
-                                             "in one class",
     "handler/engine/model/family.py": "FamilySpec and LayerBuilder beside the q/k split, norm and rotate helpers "
                                       "(eager and TorchScript) that LayerBuilder picks per layer",
     "handler/engine/model/support.py": "the table of the families and config features the lean engine implements, "
