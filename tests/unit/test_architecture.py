@@ -310,8 +310,6 @@ SIZE_EXCEPTIONS = {
                                       "(eager and TorchScript) that LayerBuilder picks per layer",
     "handler/engine/model/support.py": "the table of the families and config features the lean engine implements, "
                                        "and the checks that read it",
-    "handler/engine/vllm/backend.py:VllmBackend": "the asyncio loop thread, intake, slots, the watcher and shutdown "
-                                                  "in one class",
 }
 
 
