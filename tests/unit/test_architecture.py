@@ -302,14 +302,7 @@ def test_the_endpoint_rule_fails_on_one_endpoint_importing_another() -> None:
 MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
 # Units over a limit, each with why it is; the test prints them. One over a limit and not named here fails, and so
 # does one named here that is no longer over (take its entry off).
-SIZE_EXCEPTIONS = {
-    "handler/engine/lean/steps.py:StepLoop": "schedule, run, sample and emit, with forks, finishes and deadlines, "
-                                             "in one class",
-    "handler/engine/runners/hf_runner.py:TransformersRunner": "each sequence's own cache handled beside the "
-                                                              "forward, in one class",
-    "handler/engine/vllm/backend.py:VllmBackend": "the asyncio loop thread, intake, slots, the watcher and shutdown "
-                                                  "in one class",
-}
+SIZE_EXCEPTIONS: dict[str, str] = {}
 
 
 def _sizes() -> dict[str, int]:

@@ -217,7 +217,7 @@ class Engine(PoolingIntake):
                 log.exception("model load failed")
             self._on_failed(self.load_error)
             return
-        loop.mark_reported()  # the warm-up is not traffic
+        loop.report.mark_reported()  # the warm-up is not traffic
         self._report(0)       # the gauges, at zero, and the KV cache's size are there before any request
         self._on_ready()
         self._ready.set()
@@ -291,10 +291,10 @@ class Engine(PoolingIntake):
         """Tell the listener after each step, and once when the numbers settle (so gauges reach zero)."""
         if self._listener is None:
             return
-        stats = self._loop.stats(batch_size, self._inbox.qsize())
+        stats = self._loop.report.stats(batch_size, self._inbox.qsize())
         if batch_size == 0 and stats == self._last_stats:
             return
-        self._loop.mark_reported()
+        self._loop.report.mark_reported()
         self._last_stats = stats
         try:
             self._listener(stats)

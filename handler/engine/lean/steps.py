@@ -3,37 +3,37 @@
 Each ``step`` drops cancelled requests and ends overdue ones, asks the scheduler for a plan (decode rows and prefill
 chunks under the step's token budget and the KV memory), runs the runner once, and turns the logits into tokens:
 sampled in one batch, accepted by each choice's ``Sequence`` (grammar, text, stops), emitted as events, and a
-choice's slot freed when it ends. A request with ``n > 1`` prefills its prompt once and forks its other choices from
-a copy of that cache. A failure in a step or in sampling ends the requests it touched, never the loop.
+choice's slot freed when it ends (``emit.Emitter``: the events, the ends, cancellations and deadlines). A request
+with ``n > 1`` prefills its prompt once and forks its other choices from a copy of that cache. A failure in a step or
+in sampling ends the requests it touched, never the loop. What the loop reports to the stats listener is
+``report.StepReport``'s.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from dataclasses import dataclass
 
-from handler.engine.backend import EngineLimits, EngineStats
+from handler.engine.backend import EngineLimits
 from handler.engine.core import prompt_logprobs
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.embedding import EmbeddingJob, ScoreJob, next_batch
 from handler.engine.core.request import RequestState, Sequence, Vocabulary
-from handler.engine.core.sampler import SampleResult, sample
+from handler.engine.core.sampler import sample
 from handler.engine.lean.beams import BeamSteps
+from handler.engine.lean.emit import Emitter
+from handler.engine.lean.report import StepReport
 from handler.engine.lean.scheduler import Scheduler
 from handler.engine.lean.speculate import Speculation, Speculator
 from handler.engine.runners.base import Runner, StepOutput, StepPlan
-from handler.engine.runners.kv_space import PREFIX_BLOCK
 from handler.engine.types import (
     ErrorKind,
     FinishReason,
     GenerationRequest,
     Pooling,
     StopConditions,
-    TokenEvent,
     TokenPair,
-    TopLogprob,
 )
 from handler.errors import EngineError, NotReady
 
@@ -56,18 +56,18 @@ class StepLoop:
 
     def __init__(self, runner: Runner, vocab: Vocabulary, limits: EngineLimits, admission: AdmissionControl,
                  pooling: Pooling | str = "", speculation: Speculation | None = None) -> None:
-        self.runner, self.vocab, self.limits, self.admission = runner, vocab, limits, admission
+        self.runner, self.vocab, self.limits = runner, vocab, limits
         self.pooling = pooling        # how embeddings pool (a str: the model cannot embed)
         self.embeddings: collections.deque[EmbeddingJob] = collections.deque()  # jobs with inputs not yet run
         self.scheduler = Scheduler(limits.max_running, limits.max_step_tokens, runner.match_prefix)
         self.scheduler.space = runner.space
         self.scheduler.attention_tokens = getattr(runner, "attention_tokens", self.scheduler.attention_tokens)
         self.scheduler.chunk_align = getattr(runner, "prefill_align", 1)
-        self.num_sampled = 0          # tokens sampled since the last report
         self._beams = BeamSteps(vocab, limits, self.scheduler)
         self.speculator = None if speculation is None else Speculator(
             speculation, runner.space, limits.max_step_tokens, runner.space.sort_key)
-        self.reported = (0, 0, 0)     # prefix-cache queries and hits, and preemptions, at the last report
+        self.emitter = Emitter(self.scheduler, self._beams, self.speculator, admission)  # tokens and ends, as events
+        self.report = StepReport(runner, self.scheduler, self.speculator, self.emitter)  # stats for the listener
         self.step_error: Exception | None = None  # the last failure of a runner step (warm-up names it)
 
     @property
@@ -125,7 +125,7 @@ class StepLoop:
             while self.scheduler.has_work:
                 self.step()
             self._check_warm_up(state)
-        self.num_sampled = 0  # warm-up tokens are not traffic
+        self.emitter.num_sampled = 0  # warm-up tokens are not traffic
         self.runner.clear_prefix_cache()
         self.scheduler.space.release()  # traffic's KV grows from a small slab
 
@@ -141,8 +141,8 @@ class StepLoop:
 
     def step(self) -> int:
         """One engine step: schedule, run the model once, sample and emit. Returns the batch size."""
-        self._drop_cancelled()
-        self._expire_overdue()
+        self.emitter.drop_cancelled()
+        self.emitter.expire_overdue()
         if self.embeddings:
             self._embed()
         plan = self.scheduler.schedule()
@@ -167,9 +167,10 @@ class StepLoop:
         except Exception as error:  # the batch's requests end with an error event; the engine goes on
             log.exception("engine step failed")
             self.step_error = error
+            message = f"model step failed: {type(error).__name__}"
             for sequence in self.scheduler.running_sequences():
                 if sequence.finish_reason is None:
-                    self.finish(sequence, FinishReason.ERROR, error=f"model step failed: {type(error).__name__}")
+                    self.emitter.finish(sequence, FinishReason.ERROR, error=message)
 
     def _postprocess(self, output: StepOutput) -> None:
         prompt_logprobs.record(output.prompt_logits, self.vocab.special_token_ids)  # before the first events
@@ -178,7 +179,7 @@ class StepLoop:
         sequences, logits = self._fork_completed_prompts(output)
         if any(s.is_beam for s in sequences):
             sequences, logits = self._beams.step(sequences, logits)
-            self.num_sampled += self._beams.num_sampled
+            self.emitter.num_sampled += self._beams.num_sampled
             self._beams.num_sampled = 0
         if not sequences:
             return
@@ -193,7 +194,7 @@ class StepLoop:
             self._sample_one_by_one(sequences, logits if original is None else original)
             return
         for row, sequence in enumerate(sequences):
-            self._emit(sequence, result, row)
+            self.emitter.emit(sequence, result, row)
 
     def _embed(self) -> None:
         """One forward of queued inputs, in arrival order, up to the step's token budget (no KV is kept): texts to
@@ -225,9 +226,9 @@ class StepLoop:
             try:
                 result = sample(logits[row:row + 1], [sequence.row])
             except Exception as error:
-                self.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
+                self.emitter.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
                 break
-            self._emit(sequence, result, 0)
+            self.emitter.emit(sequence, result, 0)
             matched = row < len(drafts) and result.token_ids[0] == drafts[row]
             accepted += matched
             if sequence.finish_reason is not None or not matched:
@@ -243,17 +244,9 @@ class StepLoop:
             try:
                 result = sample(logits[row:row + 1].clone(), [sequence.row])
             except Exception as error:
-                self.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
+                self.emitter.finish(sequence, FinishReason.ERROR, error=f"sampling failed: {type(error).__name__}")
                 continue
-            self._emit(sequence, result, 0)
-
-    def _emit(self, sequence: Sequence, result: SampleResult, row: int) -> None:
-        if row in result.bad_rows:
-            self.finish(sequence, FinishReason.ERROR, error="the model produced non-finite logits")
-        elif row in result.blocked_rows:
-            self.finish(sequence, FinishReason.ERROR, error="the output grammar allows no further token")
-        else:
-            self._append(sequence, result, row)
+            self.emitter.emit(sequence, result, 0)
 
     def _fork_completed_prompts(self, output: StepOutput) -> tuple[list[Sequence], object]:
         """A request with n > 1 prefilled its prompt once; its other choices start from a copy of that cache."""
@@ -290,94 +283,9 @@ class StepLoop:
         first.request.sequences[:] = [first]
         self.scheduler.preempt(first)
 
-    def _append(self, sequence: Sequence, result: SampleResult, row: int) -> None:
-        self.num_sampled += 1
-        top = tuple(TopLogprob(t, lp) for t, lp in result.top_logprobs[row])
-        accepted = sequence.accept(result.token_ids[row], result.logprobs[row], top)
-        if accepted.finish_reason is None:
-            sequence.request.events.put(accepted.event)
-        else:
-            self.finish(sequence, accepted.finish_reason, event=accepted.event, error=accepted.error)
-
-    def finish(self, sequence: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
-               error: str | None = None, error_kind: ErrorKind = ErrorKind.MODEL) -> None:
-        """End a choice and free its slot: its last event carries the reason (and the error, if any) and usage. A
-        beam ends its whole request (``BeamSteps.end``)."""
-        if sequence.is_beam:
-            self._beams.end(sequence.request, reason, error, error_kind)
-            return
-        if self.speculator is not None:
-            self.speculator.speculation.drafter.forget(sequence)
-        sequence.finish_reason = reason
-        self.scheduler.remove(sequence)
-        base = event or TokenEvent(index=sequence.index, token_id=None, text="")
-        sequence.request.events.put(dataclasses.replace(
-            base, finish_reason=reason, error=error, error_kind=error_kind if error else None,
-            num_prompt_tokens=sequence.num_prompt_tokens,
-            num_generated_tokens=len(sequence.output_ids)))
-
-    def _drop_cancelled(self) -> None:
-        for state in self.scheduler.take_cancelled_waiting():
-            state.finish_unstarted(FinishReason.ABORT)
-        for sequence in self.scheduler.running_sequences():
-            if sequence.request.cancelled.is_set():
-                self.finish(sequence, FinishReason.ABORT)
-
-    def _expire_overdue(self) -> None:
-        """End every request past its deadline, waiting or running (``RequestState.end_overdue``)."""
-        for state in self.admission.take_overdue(self.scheduler):
-            state.end_overdue(self.finish, self.admission.timeout_error())
-
     def end_all(self, message: str, kind: ErrorKind = ErrorKind.STOPPED) -> None:
         """End every request, waiting or running, with an error event (the engine is stopping, or recovering)."""
         for state in self.scheduler.take_waiting() + self.scheduler.running_requests():
-            self._end(state, message, kind)
+            self.emitter.end(state, message, kind)
         while self.embeddings:
             self.embeddings.popleft().fail(NotReady(message) if kind is ErrorKind.STOPPED else EngineError(message))
-
-    def _end(self, state: RequestState, message: str, kind: ErrorKind) -> None:
-        state.is_expired = True
-        for sequence in list(state.sequences):
-            if sequence.finish_reason is None:
-                self.finish(sequence, FinishReason.ERROR, error=message, error_kind=kind)
-        state.finish_unstarted(FinishReason.ERROR, message, kind)  # choices not forked yet, or never admitted
-
-    def stats(self, batch_size: int, num_queued: int) -> EngineStats:
-        """``num_queued``: requests submitted but not yet taken into the scheduler."""
-        runner, space, scheduler = self.runner, self.scheduler.space, self.scheduler
-        queries, hits = getattr(runner, "num_prefix_queries", 0), getattr(runner, "num_prefix_hits", 0)
-        token_bytes, budget = getattr(space, "bytes_per_token", 0), getattr(space, "budget", 0)
-        used = token_bytes * scheduler.num_cached_tokens
-        running = scheduler.running_requests()
-        store = getattr(runner, "adapters", None)
-        stats = EngineStats(
-            num_running=len(running),
-            num_waiting=scheduler.num_waiting + num_queued,
-            batch_size=batch_size, num_sampled=self.num_sampled,
-            kv_cache_used_bytes=used, kv_cache_allocated_bytes=getattr(space, "num_bytes", 0),
-            kv_cache_budget_bytes=budget,
-            prefix_cache_queries=queries - self.reported[0], prefix_cache_hits=hits - self.reported[1],
-            num_preemptions=scheduler.num_preemptions - self.reported[2],
-            num_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
-            num_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,
-            kv_cache_usage=min(1.0, used / budget) if budget else 0.0,
-            kv_block_size=PREFIX_BLOCK if budget else 0,
-            kv_num_blocks=budget // (token_bytes * PREFIX_BLOCK) if budget and token_bytes else 0,
-            queue_times=tuple(scheduler.queue_times),
-            max_loras=store.max_loaded if store is not None else 0,
-            running_adapters=_adapters(running), waiting_adapters=_adapters(scheduler.waiting))
-        return stats
-
-    def mark_reported(self) -> None:
-        """The stats so far went to the listener: the next report counts from here."""
-        self.num_sampled = 0
-        self.scheduler.queue_times.clear()
-        if self.speculator is not None:
-            self.speculator.num_drafted = self.speculator.num_accepted = 0
-        self.reported = (getattr(self.runner, "num_prefix_queries", 0), getattr(self.runner, "num_prefix_hits", 0),
-                         self.scheduler.num_preemptions)
-
-
-def _adapters(states) -> tuple[str, ...]:
-    """The LoRA adapters ``states`` generate with, each once, in order."""
-    return tuple(dict.fromkeys(s.request.adapter for s in states if s.request.adapter is not None))

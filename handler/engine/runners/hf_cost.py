@@ -77,7 +77,7 @@ def _measured(runner) -> CacheCost:
 
 def _measured_vision(runner) -> CacheCost:
     """A VLM's text-only probe: its own position ids (qwen2_vl's are 3-D), its per-prompt state put back after."""
-    saved = [m.rope_deltas for m in runner._stateful]
+    saved = [m.rope_deltas for m in runner.generations.stateful]
     try:
         cache, sizes = runner._new_cache(), []
         for start in (0, 2):
@@ -87,7 +87,7 @@ def _measured_vision(runner) -> CacheCost:
             cache = output.past_key_values
             sizes.append(layer_bytes(cache))
     finally:
-        for module, value in zip(runner._stateful, saved, strict=True):
+        for module, value in zip(runner.generations.stateful, saved, strict=True):
             module.rope_deltas = value
     return CacheCost.between(sizes[0], sizes[1], (2, 4), _windows(cache, len(sizes[0])))
 

@@ -16,17 +16,8 @@ the model's steps must give its own uncached logits, else each prompt runs in on
 recomputes the whole sequence without a cache (exact, slower); a model whose forward fails outright is refused at
 load with the reason. What a sequence's cache holds, for the KV budget, is measured then (``hf_cost``).
 
-A vision-language model (``vision=True``: loaded with transformers' image-text-to-text auto class) is driven as
-transformers' own ``generate`` drives it, one sequence at a time: its model kwargs are built as ``generate`` builds
-them (the processor's outputs the prompt layer computed, ``prompt_images.inputs``; position ids from
-``_prepare_position_ids_for_generation``), every forward's inputs come from ``model.prepare_inputs_for_generation`` and
-are carried on by ``_update_model_kwargs_for_generation``, so each family's quirks (qwen2_vl's M-RoPE rope deltas,
-gemma3's token type ids, paligemma's prefix mask, ...) are transformers' own. State a model keeps on itself between
-forwards (``rope_deltas``) is saved per sequence and put back before each of its forwards. Image features cannot be
-split across chunks, so a VLM prompt (with images or without) is prefilled in ONE forward: on its first planned
-chunk the whole prompt is computed; the plan's later chunks only hand on rows already computed (prompt logprobs),
-and the last prompt position's logits are returned when the plan's final chunk arrives (``advance(plan)`` keeps
-its meaning: the sequence's cached count moves chunk by chunk as planned).
+A vision-language model (``vision=True``) is driven as transformers' own ``generate`` drives it, one sequence at a
+time (``hf_vision.VisionGenerations``); this runner keeps its load, its fresh cache and the step's output.
 """
 
 from __future__ import annotations
@@ -44,7 +35,8 @@ from handler.engine.runners.base import StepOutput, StepPlan, advance
 from handler.engine.runners.encoder_runner import transformers_embed
 from handler.engine.runners.hf_cost import cache_cost
 from handler.engine.runners.hf_stepping import Stepping, probe_stepping
-from handler.engine.runners.own_caches import OwnCaches, layer_bytes
+from handler.engine.runners.hf_vision import VisionGenerations, load_vision_model
+from handler.engine.runners.own_caches import OwnCaches
 from handler.engine.types import Pooling
 from handler.errors import Unprocessable
 
@@ -63,17 +55,17 @@ class TransformersRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.vision = vision
-        # modules that keep per-prompt state between forwards (qwen2_vl's rope_deltas), saved per sequence
-        self._stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")] if vision else []
+        # a VLM's sequences, each driven as generate drives it (``hf_vision``)
+        self.generations = VisionGenerations(model, self.device, self._new_cache) if vision else None
         # recurrent-state families take and return their cache under their own name (mamba's ``cache_params``,
         # rwkv's ``state``) and make it on their first forward
         parameters = inspect.signature(model.forward).parameters
         self._cache_arg = next((name for name in CACHE_ARGS if name in parameters), "past_key_values")
         self._takes_positions = "position_ids" in parameters
         self.stepping = Stepping() if vision else probe_stepping(self)  # how a text model's steps run
-        # the KV space (what a sequence's cache holds: ``hf_cost``), under the budget the loader sets (``lean.load``)
+        # the KV space (what a sequence's cache holds: ``hf_cost``), under the loader's budget (``lean.kv_budget``)
         self.space = OwnCaches(cache_cost(self))
-        self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its ``_Generation``)
+        self._caches = self.space.caches  # sequence -> its transformers cache (a VLM's: its generate state)
         self._prompt_logits = self.space.prompt_logits
         self.shares_steps = self.stepping.chunked and self._probe_sharing()  # decode rows of a step in one forward
 
@@ -85,7 +77,7 @@ class TransformersRunner:
 
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
             return cls(model.to(device).eval())
-        return cls(_load_vision_model(model_dir, dtype).to(device).eval(), vision=True)
+        return cls(load_vision_model(model_dir, dtype).to(device).eval(), vision=True)
 
     @property
     def vocab_size(self) -> int:
@@ -107,8 +99,8 @@ class TransformersRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Logits rows in ``ModelRunner``'s order: decoding sequences, then sequences whose prompt completes."""
-        if self.vision:
-            return self._run_generate(plan)
+        if self.generations is not None:
+            return self._output(plan, *self.generations.run(plan, self.space))
         if not self.stepping.chunked:
             return self._run_whole(plan)
         scored = []
@@ -126,6 +118,10 @@ class TransformersRunner:
             if start + length == sequence.prefill_target:
                 rows.append(logits[-1])
                 sequences.append(sequence)
+        return self._output(plan, sequences, rows, scored)
+
+    def _output(self, plan: StepPlan, sequences: list[Sequence], rows: list[torch.Tensor], scored: list) -> StepOutput:
+        """The step done: the plan's sequences advanced, the rows stacked ``[len(sequences), vocab]`` on the CPU."""
         advance(plan)
         logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
         return StepOutput(sequences, logits, scored)
@@ -272,9 +268,7 @@ class TransformersRunner:
             if start + length == sequence.prefill_target:
                 rows.append(self._prompt_logits.pop(sequence)[-1])
                 sequences.append(sequence)
-        advance(plan)
-        logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
-        return StepOutput(sequences, logits, scored)
+        return self._output(plan, sequences, rows, scored)
 
     def _prefill_whole(self, sequence: Sequence, keep: int) -> torch.Tensor:
         tokens = sequence.tokens(0, sequence.prefill_target)
@@ -289,79 +283,6 @@ class TransformersRunner:
             return self._forward(sequence, [sequence.next_token], sequence.num_cached)[-1]
         return self.forward_whole(sequence.tokens(0, sequence.num_cached + 1))[-1]
 
-    # --- vision-language models: driven as transformers' generate drives them ---
-
-    def _run_generate(self, plan: StepPlan) -> StepOutput:
-        rows, sequences, scored = [], [], []
-        for sequence in plan.decode:
-            if not sequence.is_prefilling:
-                state = self._caches[sequence]
-                ids = torch.tensor([sequence.tokens(0, sequence.num_cached + 1)], device=self.device)
-                rows.append(self._generate_forward(state, ids, first=False, keep=1)[-1])
-                sequences.append(sequence)
-        for sequence, start, length in plan.prefill:
-            if start == 0:  # the whole prompt, in one forward
-                scoring = sequence.wants_prompt_logprobs
-                self._caches[sequence] = state = self._new_generation(sequence)
-                ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
-                logits = self._generate_forward(state, ids, first=True, keep=0 if scoring else 1)
-                state.prompt_logits = logits if scoring else logits[-1:]
-                # states the text-only count cannot see (mllama's cross-attention image keys) are reserved from here
-                self.space.settle(sequence, sum(layer_bytes(state.kwargs["past_key_values"])), ids.shape[1])
-            state = self._caches[sequence]
-            if sequence.wants_prompt_logprobs:
-                wanted = len(prompt_logprobs.scored_rows(sequence, start, length, 0))
-                if wanted:
-                    scored.append((sequence, start, state.prompt_logits[start:start + wanted].float()))
-            if start + length == sequence.prefill_target:
-                rows.append(state.prompt_logits[-1])
-                sequences.append(sequence)
-                state.prompt_logits = None
-        advance(plan)
-        logits = torch.stack(rows).float().cpu() if rows else torch.empty(0, self.vocab_size)
-        return StepOutput(sequences, logits, scored)
-
-    def _new_generation(self, sequence: Sequence) -> _Generation:
-        """The model kwargs ``generate`` would start from for this sequence's prompt (a batch of one, no padding)."""
-        from transformers.utils import ModelOutput
-
-        request = sequence.request.request
-        given = request.prompt_images
-        kwargs: dict[str, object] = {}
-        if given is not None:  # the prompt layer's processor outputs (ImageProcessor with keep_inputs)
-            if given.inputs is None:
-                raise ValueError("the request's images come without the processor's outputs this path runs on")
-            kwargs = {name: value.to(self.device) if isinstance(value, torch.Tensor) else value
-                      for name, value in given.inputs.items()}
-            if "pixel_values" in kwargs and kwargs["pixel_values"].is_floating_point():
-                kwargs["pixel_values"] = kwargs["pixel_values"].to(self.model.dtype)
-        ids = torch.tensor([sequence.tokens(0, sequence.prefill_target)], device=self.device)
-        # a resumed sequence: its output so far extended as generate extends it token by token (the family's own
-        # rule: gemma3's token types 0, paligemma's 1 (the causal suffix), mllama's cross-attention mask rows)
-        for _ in range(ids.shape[1] - len(request.prompt_ids)):
-            kwargs = self.model._update_model_kwargs_for_generation(ModelOutput(), kwargs, is_encoder_decoder=False)
-        kwargs["past_key_values"] = self._new_cache()
-        kwargs["use_cache"] = True
-        if "position_ids" in inspect.signature(self.model.forward).parameters:
-            kwargs["position_ids"] = self.model._prepare_position_ids_for_generation(ids, {**kwargs, "input_ids": ids})
-        saved = [m.rope_deltas for m in self._stateful]  # as the position ids left them
-        return _Generation(kwargs, saved)
-
-    def _generate_forward(self, state: _Generation, ids: torch.Tensor, *, first: bool, keep: int) -> torch.Tensor:
-        """One forward as ``generate`` runs it: ``ids`` is the sequence so far (the prompt at ``first``)."""
-        for module, value in zip(self._stateful, state.saved, strict=True):
-            module.rope_deltas = value
-        if first:
-            inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=True, **state.kwargs)
-        else:
-            inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, **state.kwargs)
-        inputs["logits_to_keep"] = keep
-        output = self.model(**inputs, return_dict=True)
-        state.kwargs = self.model._update_model_kwargs_for_generation(output, state.kwargs,
-                                                                      is_encoder_decoder=False)
-        state.saved = [m.rope_deltas for m in self._stateful]
-        return output.logits[0]
-
 
 def _size_class(length: int) -> int:
     """0 up to 256 positions, then one more each doubling (the lean KV space's size classes)."""
@@ -371,29 +292,3 @@ def _size_class(length: int) -> int:
 def _left_pad(states: torch.Tensor, length: int) -> torch.Tensor:
     """``[1, heads, n, dim]`` -> ``[1, heads, length, dim]``, zeros before (masked out)."""
     return torch.nn.functional.pad(states, (0, 0, length - states.shape[-2], 0))
-
-
-class _Generation:
-    """One VLM sequence's generate state: its model kwargs (cache included) and the model's per-prompt state."""
-
-    def __init__(self, kwargs: dict, saved: list) -> None:
-        self.kwargs = kwargs
-        self.saved = saved
-        self.prompt_logits: torch.Tensor | None = None
-
-
-def _load_vision_model(model_dir: Path, dtype: torch.dtype):
-    """A VLM checkpoint with transformers' image-text-to-text auto class (the class ``generate`` would use),
-    else the older vision-to-sequence or causal-LM mapping when the family is registered there only."""
-    import transformers
-
-    errors = []
-    for name in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
-        auto = getattr(transformers, name, None)
-        if auto is None:
-            continue
-        try:
-            return auto.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-        except ValueError as error:  # the family is not in this mapping
-            errors.append(f"{name}: {error}")
-    raise ValueError(f"{model_dir}: no transformers auto class loads this vision model ({'; '.join(errors)})")

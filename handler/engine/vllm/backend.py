@@ -5,13 +5,14 @@ only then is this package, and vLLM with it, imported. vLLM runs its engine core
 parallelism, its workers) in processes of its own; this process keeps one thread running an asyncio loop that owns
 the ``AsyncLLM``. Callers on the server's threads ``submit`` and read events from a queue, as with the lean engine.
 
-This module is the backend's life and its loop: start, warm-up, intake, which requests hold slots, the watcher, the
-stats, shutdown. What a choice becomes in vLLM and back is ``requests``'; what vLLM is asked, ``args``'. The meanings
-are the lean engine's, and so are the shared pieces: ``core.request`` (each choice accepts its tokens itself) and
-``core.admission`` (429 at submit past ``Admission.max_waiting`` waiting requests; the deadline from arrival). A
-request waits until it is among the first ``max_running`` choices in flight (``VllmRequestState``). A watcher on the
-loop ends cancelled requests (``FinishReason.ABORT``) and overdue ones (``RequestState.end_overdue``) every
-``_WATCH_S``, aborting them in vLLM.
+This module is the backend's life and its loop: start, warm-up, intake, the watcher, shutdown. Which requests hold
+slots and how one ends early is ``flight``'s; what the listener is told, ``stats``'; what a choice becomes in vLLM and
+back, ``requests``'; what vLLM is asked, ``args``'. The meanings are the lean engine's, and so are the shared pieces:
+``core.request`` (each choice accepts its tokens itself) and ``core.admission`` (429 at submit past
+``Admission.max_waiting`` waiting requests; the deadline from arrival). A request waits until it is among the first
+``max_running`` choices in flight (``VllmRequestState``). A watcher on the loop ends cancelled requests
+(``FinishReason.ABORT``) and overdue ones (``RequestState.end_overdue``) every ``_WATCH_S``, aborting them in vLLM,
+and reports the stats.
 """
 
 from __future__ import annotations
@@ -33,17 +34,16 @@ from handler.engine.core.embedding import EmbeddingJob, ScoreJob, check_inputs
 from handler.engine.core.request import RequestHandle, RequestState, Sequence, Vocabulary
 from handler.engine.types import (
     EmbeddingRequest,
-    ErrorKind,
-    FinishReason,
     GenerationRequest,
     ScoreRequest,
 )
 from handler.engine.vllm import pooling
-from handler.engine.vllm.adapters import BASE_NAME, VllmAdapters
+from handler.engine.vllm.adapters import VllmAdapters
 from handler.engine.vllm.args import check_backend
-from handler.engine.vllm.beams import BeamRunner, check_beams
-from handler.engine.vllm.requests import ChoiceRunner, VllmRequestState, check_grammar
-from handler.engine.vllm.stats import SchedulerFigures, stat_logger
+from handler.engine.vllm.beams import check_beams
+from handler.engine.vllm.flight import InFlight
+from handler.engine.vllm.requests import VllmRequestState, check_grammar
+from handler.engine.vllm.stats import StatsReport, stat_logger
 from handler.errors import BadRequest, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class VllmBackend:
         self.limits = limits
         self.admission = admission
         self._admission = AdmissionControl(lambda: self.admission)
-        self._on_stats, self._on_ready, self._on_failed = on_stats, on_ready, on_failed
+        self._on_ready, self._on_failed = on_ready, on_failed
         self.load_error: str | None = None
         self._thread = threading.Thread(target=self._main, name="vllm-loop", daemon=True)
         self._ready = threading.Event()
@@ -83,16 +83,12 @@ class VllmBackend:
         self._engine = None            # vllm.v1.engine.async_llm.AsyncLLM
         self._vocab: Vocabulary | None = None
         self._vocab_size = 0
-        self._live: dict[VllmRequestState, list[asyncio.Task]] = {}   # loop thread only, in arrival order
-        self._choices: ChoiceRunner | None = None   # once vLLM has started (``requests``)
-        self._beams: BeamRunner | None = None       # beam requests (``beams``)
-        self._last_stats: EngineStats | None = None
+        self._flight = InFlight(limits, self._admission, self._stopping)  # loop thread only: requests and slots
+        self._stats = StatsReport(on_stats)         # vLLM's scheduler figures and ours, to the listener
         self._embeds_only = False      # an encoder on vLLM's pooling runner
         self._activation: str | None = None   # a cross-encoder's (``core.scoring``), on the same runner
         self._ids = itertools.count()
         self._adapters: VllmAdapters | None = None  # option.enable_lora (``set_adapters``)
-        self._figures = SchedulerFigures()          # vLLM's scheduler figures (KV and prefix cache, adapters)
-        self._queue_times: list[float] = []         # seconds each request given a slot since the last report waited
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -135,7 +131,7 @@ class VllmBackend:
             check_beams(request, self._vocab.eos_token_ids, self._engine.model_config.max_logprobs)
         state = VllmRequestState(request, self._new_sequence, deadline=self._admission.deadline(request.arrived_at),
                                  adapter=self._resolve_adapter(request))
-        self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._begin, s))
+        self._admission.enqueue(state, lambda s: self._loop.call_soon_threadsafe(self._flight.begin, s))
         return RequestHandle(state, lambda: self.is_alive)
 
     def end_session(self, session_id: str) -> None:
@@ -238,10 +234,10 @@ class VllmBackend:
             from vllm.config import PoolerConfig
 
             kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[stat_logger(self._figures)])
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                 stat_loggers=[stat_logger(self._stats.figures)])
         self._vocab_size = self._engine.model_config.get_vocab_size()
-        self._choices = ChoiceRunner(self._engine, self._vocab, self.limits, self._forget)
-        self._beams = BeamRunner(self._engine, self._vocab, self._vocab_size, self.limits, self._forget)
+        self._flight.run_on(self._loop, self._engine, self._vocab, self._vocab_size)
         await self._warm_up()
         log.info("vLLM ready in %.1f s (%s)", time.monotonic() - started,
                  ", ".join(f"{k}={v}" for k, v in prepared.engine_kwargs.items() if k not in ("model", "tokenizer")))
@@ -258,74 +254,19 @@ class VllmBackend:
         async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))), params, "warm-up"):
             pass
 
-    def _begin(self, state: RequestState) -> None:
-        if state.cancelled.is_set() or self._stopping.is_set():
-            state.finish_unstarted(FinishReason.ABORT)
-            return
-        if state.request.beam is not None:  # one task runs all the beams
-            self._live[state] = [self._loop.create_task(self._beams.run(state))]
-        else:
-            self._live[state] = [self._loop.create_task(self._choices.run(state, i)) for i in range(state.n)]
-        self._grant_slots()
-
-    def _grant_slots(self) -> None:
-        """Mark the requests vLLM has room for (first come, first served up to ``max_running`` choices or beams)."""
-        free = self.limits.max_running
-        for state in self._live:
-            if free < state.num_sequences:
-                return
-            free -= state.num_sequences
-            if not state.has_slot:
-                self._queue_times.append(time.monotonic() - state.queued_at)
-            state.has_slot = True
-
-    def _forget(self, state: RequestState) -> None:
-        tasks = self._live.get(state)
-        if tasks is not None and all(t.done() or t is asyncio.current_task() for t in tasks):
-            del self._live[state]
-            self._grant_slots()
-
-    def _end(self, state: RequestState, reason: FinishReason, message: str | None, kind: ErrorKind | None) -> None:
-        """End every unfinished choice of ``state`` now (cancelled, overdue, stopping) and abort it in vLLM."""
-        state.is_expired = reason is FinishReason.ERROR
-        for task in self._live.pop(state, []):
-            task.cancel()
-        self._grant_slots()
-        if kind is ErrorKind.TIMEOUT:
-            if self._beams.cut(state):  # a beam search answers with its best beams so far
-                return
-            state.end_overdue(self._choices.finish, message)
-            return
-        for sequence in state.sequences:
-            if sequence.finish_reason is None:
-                self._choices.finish(sequence, reason, error=message, error_kind=kind or ErrorKind.MODEL)
-        state.finish_unstarted(reason, message, kind)
-
     async def _watch(self) -> None:
         """The lean engine's per-step checks: cancelled requests end with ABORT, overdue ones with TIMEOUT. An
         error in one turn is logged and counted (``threads``), and the next turn comes as usual."""
         while True:
             try:
-                self._check_live()
+                self._flight.end_cancelled_and_overdue()
+                self._stats.report(self._flight)
             except Exception:
                 threads.record_restart("vllm-watch")
             await asyncio.sleep(_WATCH_S)
 
-    def _check_live(self) -> None:
-        now = time.monotonic()
-        for state in list(self._live):
-            if state.cancelled.is_set():
-                self._end(state, FinishReason.ABORT, None, None)
-            elif state.deadline <= now:
-                self._end(state, FinishReason.ERROR, self._admission.timeout_error(), ErrorKind.TIMEOUT)
-        self._report()
-
     async def _shutdown(self, reason: str | None) -> None:
-        for state in list(self._live):
-            if reason is not None:
-                self._end(state, FinishReason.ERROR, reason, ErrorKind.STOPPED)
-            else:
-                self._end(state, FinishReason.ABORT, None, None)
+        self._flight.end_all(reason)
         await asyncio.sleep(0)  # let the cancelled choices abort their vLLM requests
         if self._engine is not None:
             await self._stop_output_handler()
@@ -344,30 +285,3 @@ class VllmBackend:
             await handler
         except (asyncio.CancelledError, Exception):  # its cancellation, or what it ended with: stopped either way
             pass
-
-    def _report(self) -> None:
-        if self._on_stats is None:
-            return
-        running = [s for s in self._live if s.has_slot]
-        figures = self._figures
-        stats = EngineStats(num_running=len(running), num_waiting=len(self._live) - len(running),
-                            batch_size=sum(s.num_sequences if s.request.beam is not None and not s.choices_ended
-                                           else sum(q.finish_reason is None for q in s.sequences) for s in running),
-                            num_sampled=self._choices.num_sampled + self._beams.num_sampled,
-                            kv_cache_used_bytes=0, kv_cache_allocated_bytes=0,
-                            prefix_cache_queries=figures.prefix_queries, prefix_cache_hits=figures.prefix_hits,
-                            kv_cache_usage=figures.kv_cache_usage, kv_block_size=figures.block_size,
-                            kv_num_blocks=figures.num_blocks, queue_times=tuple(self._queue_times),
-                            max_loras=max(0, figures.max_loras - 1),  # one slot is the base requests' (adapters)
-                            running_adapters=tuple(a for a in figures.running_adapters if a != BASE_NAME),
-                            waiting_adapters=tuple(a for a in figures.waiting_adapters if a != BASE_NAME))
-        if stats.num_sampled == 0 and stats == self._last_stats:
-            return
-        self._choices.num_sampled = self._beams.num_sampled = 0
-        figures.take_prefix_counts()
-        self._queue_times.clear()
-        self._last_stats = stats
-        try:
-            self._on_stats(stats)
-        except Exception:  # metrics must never stop the engine
-            log.exception("engine stats listener failed")

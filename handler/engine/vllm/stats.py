@@ -4,12 +4,22 @@ vLLM hands its per-step figures (``SchedulerStats``) to stat loggers. ``stat_log
 backend gives ``AsyncLLM``: a ``PrometheusStatLogger`` in type only, so that vLLM registers no Prometheus metrics of
 its own (it adds its own Prometheus logger unless one of the given loggers is one): ``handler.metrics`` serves the
 ``vllm:*`` names for every backend, merged across gunicorn's workers like its ``llm_*`` metrics. The logger runs on
-the backend's asyncio loop and keeps the figures in a ``SchedulerFigures`` the backend reads when it reports.
+the backend's asyncio loop and keeps the figures in a ``SchedulerFigures``; ``StatsReport`` reads them with the
+backend's requests in flight (``flight.InFlight``) into the ``EngineStats`` its listener gets. Imports: the engine's
+``backend`` (``EngineStats``) and this package's ``flight`` and ``adapters``; vLLM only inside ``stat_logger``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from handler.engine.backend import EngineStats
+from handler.engine.vllm.adapters import BASE_NAME
+from handler.engine.vllm.flight import InFlight
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -75,3 +85,39 @@ def stat_logger(figures: SchedulerFigures) -> type:
             pass
 
     return FiguresLogger
+
+
+class StatsReport:
+    """The backend's ``EngineStats`` for its listener, from its watcher's turns: sent when tokens were sampled or a
+    figure changed (so gauges reach zero once, and an idle backend sends nothing)."""
+
+    def __init__(self, on_stats: Callable[[EngineStats], None] | None) -> None:
+        self.figures = SchedulerFigures()   # vLLM's scheduler figures (KV and prefix cache, adapters)
+        self._on_stats = on_stats
+        self._last: EngineStats | None = None
+
+    def report(self, flight: InFlight) -> None:
+        if self._on_stats is None:
+            return
+        running = flight.running
+        figures = self.figures
+        stats = EngineStats(num_running=len(running), num_waiting=len(flight.live) - len(running),
+                            batch_size=sum(s.num_sequences if s.request.beam is not None and not s.choices_ended
+                                           else sum(q.finish_reason is None for q in s.sequences) for s in running),
+                            num_sampled=flight.num_sampled,
+                            kv_cache_used_bytes=0, kv_cache_allocated_bytes=0,
+                            prefix_cache_queries=figures.prefix_queries, prefix_cache_hits=figures.prefix_hits,
+                            kv_cache_usage=figures.kv_cache_usage, kv_block_size=figures.block_size,
+                            kv_num_blocks=figures.num_blocks, queue_times=tuple(flight.queue_times),
+                            max_loras=max(0, figures.max_loras - 1),  # one slot is the base requests' (adapters)
+                            running_adapters=tuple(a for a in figures.running_adapters if a != BASE_NAME),
+                            waiting_adapters=tuple(a for a in figures.waiting_adapters if a != BASE_NAME))
+        if stats.num_sampled == 0 and stats == self._last:
+            return
+        flight.mark_reported()
+        figures.take_prefix_counts()
+        self._last = stats
+        try:
+            self._on_stats(stats)
+        except Exception:  # metrics must never stop the engine
+            log.exception("engine stats listener failed")
