@@ -27,7 +27,7 @@ from handler.engine.backend import Admission, EngineLimits, EngineStats
 from handler.engine.core.admission import AdmissionControl
 from handler.engine.core.checks import check_request, fit_prompt
 from handler.engine.core.constraints import GrammarCompiler
-from handler.engine.core.embedding import EmbeddingJob
+from handler.engine.core.embedding import EmbeddingJob, ScoreJob
 from handler.engine.core.request import RequestHandle, RequestState, Vocabulary
 from handler.engine.core.scoring import Activation
 from handler.engine.lean.pooling import PoolingIntake
@@ -36,7 +36,14 @@ from handler.engine.lean.steps import EndSession, StepLoop
 from handler.engine.model.support import UnsupportedModel
 from handler.engine.runners.adapters import AdapterStore
 from handler.engine.runners.base import Runner
-from handler.engine.types import ErrorKind, FinishReason, GenerationRequest, Pooling
+from handler.engine.types import (
+    EmbeddingRequest,
+    ErrorKind,
+    FinishReason,
+    GenerationRequest,
+    Pooling,
+    ScoreRequest,
+)
 from handler.errors import BadRequest, ConfigError, EngineError, NotFound, NotReady, Unprocessable
 
 log = logging.getLogger(__name__)
@@ -66,7 +73,7 @@ KV_IDLE_RELEASE_S = 30.0
 STOP_WAIT_S = 5.0  # ``stop`` waits this long for the current step (SageMaker's 30 s after SIGTERM include it)
 
 
-class Engine(PoolingIntake):
+class Engine:
     """The lean engine backend (``backend.EngineBackend``): ``load`` runs on the engine thread and returns the model;
     ``on_stats`` runs on the engine thread after steps and must be quick."""
 
@@ -90,6 +97,8 @@ class Engine(PoolingIntake):
         self._admission = AdmissionControl(lambda: self.admission)
         self._listener = on_stats
         self._last_stats: EngineStats | None = None
+        self.pooling = PoolingIntake(lambda: self._loaded, self._check_ready, self._inbox.put, self._admission,
+                                     self._thread.is_alive, limits)
 
     # ---- caller side (any thread) -------------------------------------------------------------------------
     @property
@@ -134,6 +143,20 @@ class Engine(PoolingIntake):
                              matcher=self._compile_grammar(request), adapter=self._resolve_adapter(request))
         self._admission.enqueue(state, self._inbox.put)
         return RequestHandle(state, self._thread.is_alive)
+
+    @property
+    def embeds_only(self) -> bool:  # embeddings and scores are ``pooling``'s
+        return self.pooling.embeds_only
+
+    @property
+    def score_type(self) -> str | None:
+        return self.pooling.score_type
+
+    def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
+        return self.pooling.embed(request)
+
+    def score(self, request: ScoreRequest) -> ScoreJob:
+        return self.pooling.score(request)
 
     def end_session(self, session_id: str) -> None:
         """A stateful session ended: the engine thread lets go of its pinned prefix blocks before its next step."""

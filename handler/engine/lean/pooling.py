@@ -5,8 +5,7 @@ batched by the step loop between generation steps (``steps.StepLoop._embed``).
 
 from __future__ import annotations
 
-import queue
-import threading
+from collections.abc import Callable
 
 from handler.engine.backend import EngineLimits
 from handler.engine.core.admission import AdmissionControl
@@ -16,14 +15,18 @@ from handler.errors import BadRequest
 
 
 class PoolingIntake:
-    """``Engine``'s embeddings and scores (a mixin: it reads the engine's loaded model, limits, admission and
-    inbox)."""
+    """The engine's embeddings and scores: checked on the caller's thread against the loaded model, then queued on
+    the engine thread's inbox (``Engine`` owns one and hands it what it reads)."""
 
-    _loaded: object | None          # engine.LoadedModel, once loaded
-    _inbox: queue.SimpleQueue
-    _admission: AdmissionControl
-    _thread: threading.Thread
-    limits: EngineLimits              # and ``_check_ready``: the engine's (503 before it is ready)
+    def __init__(self, loaded: Callable[[], object | None], check_ready: Callable[[], None],
+                 put: Callable[[EmbeddingJob], None], admission: AdmissionControl, is_alive: Callable[[], bool],
+                 limits: EngineLimits) -> None:
+        self._model, self._check_ready, self._put = loaded, check_ready, put
+        self._admission, self._is_alive, self.limits = admission, is_alive, limits
+
+    @property
+    def _loaded(self):  # engine.LoadedModel, once loaded (None before)
+        return self._model()
 
     @property
     def embeds_only(self) -> bool:
@@ -50,9 +53,9 @@ class PoolingIntake:
             raise BadRequest("this model is not a cross-encoder: it scores no pairs with a classifier head",
                              param=request.param)
         check_inputs(request, self.limits.max_model_len, self._loaded.vocab_size)
-        job = ScoreJob(request, self._admission.deadline(request.arrived_at), self._thread.is_alive,
+        job = ScoreJob(request, self._admission.deadline(request.arrived_at), self._is_alive,
                        self._admission.timeout_error, activation=self._loaded.scoring.name)
-        self._inbox.put(job)
+        self._put(job)
         return job
 
     def embed(self, request: EmbeddingRequest) -> EmbeddingJob:
@@ -61,7 +64,7 @@ class PoolingIntake:
         if isinstance(self._loaded.embedding, str):
             raise BadRequest(f"this model cannot embed: {self._loaded.embedding}", param=request.param)
         check_inputs(request, self.limits.max_model_len, self._loaded.vocab_size)
-        job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), self._thread.is_alive,
+        job = EmbeddingJob(request, self._admission.deadline(request.arrived_at), self._is_alive,
                            self._admission.timeout_error)
-        self._inbox.put(job)
+        self._put(job)
         return job
