@@ -14,6 +14,7 @@ May import: ``handler.threads`` and the standard library. Not glibc (musl, macOS
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -27,7 +28,9 @@ THREAD_NAME = "heap-trim"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (None elsewhere)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
